@@ -1,0 +1,246 @@
+/*
+ * shardmuon: the Muon optimizer's Newton-Schulz orthogonalization for matrices that are
+ * sharded across the ranks of a group, numerically equal to the same computation on the
+ * gathered matrix.
+ *
+ * Conventions of this C API:
+ *  - Every function returns a shardmuon_status. SHARDMUON_SUCCESS is 0; on any other value
+ *    shardmuon_last_error() returns a message (per thread) that names the offending argument
+ *    and its value. C++ exceptions never cross this boundary.
+ *  - GPU work is enqueued on the CUDA stream the caller passes (as a void*, a cudaStream_t),
+ *    never on the legacy default stream, and the host does not wait for it. The one
+ *    exception is the cross-rank argument check (see shardmuon_newton_schulz), which waits
+ *    for a few bytes exchanged on a private channel, never for the caller's stream.
+ *  - Matrices are row-major (PyTorch's out x in layout) and contiguous.
+ *  - Calls that take a communicator are collective: every rank of the group makes them, in
+ *    the same order. If the ranks pass arguments that disagree, every rank returns an error
+ *    instead of entering mismatched collectives.
+ */
+#ifndef SHARDMUON_SHARDMUON_H_
+#define SHARDMUON_SHARDMUON_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#if defined(_WIN32)
+#define SHARDMUON_API __declspec(dllexport)
+#else
+#define SHARDMUON_API __attribute__((visibility("default")))
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define SHARDMUON_VERSION_MAJOR 0
+#define SHARDMUON_VERSION_MINOR 1
+#define SHARDMUON_VERSION_PATCH 0
+
+/* ------------------------------------------------------------------------------------------ */
+/* Status and errors                                                                           */
+/* ------------------------------------------------------------------------------------------ */
+
+typedef enum shardmuon_status {
+  SHARDMUON_SUCCESS = 0,
+  /* An argument is invalid; the message names it and its value. Nothing was modified. */
+  SHARDMUON_ERROR_INVALID_ARGUMENT = 1,
+  /* The library was built without the feature (CUDA, NCCL or MPI) the call needs. */
+  SHARDMUON_ERROR_NOT_BUILT = 2,
+  /* The combination is valid but not supported (for example float64 on the CUDA backend). */
+  SHARDMUON_ERROR_UNSUPPORTED = 3,
+  /* The ranks of the group passed arguments that disagree (shapes, dtype, layout, ...). */
+  SHARDMUON_ERROR_RANK_MISMATCH = 4,
+  /* Another rank of the group rejected its arguments; that rank's message says why. */
+  SHARDMUON_ERROR_PEER_FAILED = 5,
+  SHARDMUON_ERROR_OUT_OF_MEMORY = 6,
+  SHARDMUON_ERROR_CUDA = 7,
+  SHARDMUON_ERROR_CUBLAS = 8,
+  SHARDMUON_ERROR_NCCL = 9,
+  SHARDMUON_ERROR_MPI = 10,
+  SHARDMUON_ERROR_INTERNAL = 11
+} shardmuon_status;
+
+/* The message of the last failed call on this thread ("" if none). Valid until the next
+ * shardmuon call on this thread. */
+SHARDMUON_API const char* shardmuon_last_error(void);
+
+/* A short constant name for a status, e.g. "SHARDMUON_ERROR_INVALID_ARGUMENT". */
+SHARDMUON_API const char* shardmuon_status_name(shardmuon_status status);
+
+SHARDMUON_API shardmuon_status shardmuon_version(int* major, int* minor, int* patch);
+
+/* Which optional parts were compiled in: each out-parameter receives 1 or 0. Any may be NULL. */
+SHARDMUON_API shardmuon_status shardmuon_build_info(int* has_cuda, int* has_nccl, int* has_mpi);
+
+/* ------------------------------------------------------------------------------------------ */
+/* Types                                                                                       */
+/* ------------------------------------------------------------------------------------------ */
+
+typedef enum shardmuon_dtype {
+  SHARDMUON_FLOAT32 = 0,
+  SHARDMUON_BFLOAT16 = 1, /* bf16 storage; products accumulate in float32 */
+  SHARDMUON_FLOAT64 = 2   /* CPU backend only: the reference precision */
+} shardmuon_dtype;
+
+typedef enum shardmuon_backend {
+  SHARDMUON_BACKEND_CPU = 0, /* host memory, OpenBLAS; ranks communicate over MPI */
+  SHARDMUON_BACKEND_CUDA = 1 /* device memory, cuBLASLt; ranks communicate over NCCL */
+} shardmuon_backend;
+
+typedef enum shardmuon_partition {
+  SHARDMUON_REPLICATED = 0,   /* every rank holds the whole matrix */
+  SHARDMUON_SHARDED_DIM0 = 1, /* contiguous blocks of rows (column-parallel Linear weight) */
+  SHARDMUON_SHARDED_DIM1 = 2  /* contiguous blocks of columns (row-parallel Linear weight) */
+} shardmuon_partition;
+
+/* How a logical rows x cols matrix is spread over the ranks of a group. The local shard of
+ * rank r is row-major and contiguous: shard_sizes[r] x cols for DIM0, rows x shard_sizes[r]
+ * for DIM1, the whole matrix when REPLICATED. Shards may be uneven and may be empty. */
+typedef struct shardmuon_layout {
+  int64_t rows; /* logical (global) number of rows, >= 1 */
+  int64_t cols; /* logical (global) number of columns, >= 1 */
+  shardmuon_partition partition;
+  /* Sharded layouts: number of shards, which must equal the communicator's size. */
+  int num_shards;
+  /* Sharded layouts: num_shards sizes along the sharded dim, in rank order, summing to rows
+   * (DIM0) or cols (DIM1). NULL means a balanced split: the first (size % num_shards) ranks
+   * get one more than the others. Ignored when REPLICATED. */
+  const int64_t* shard_sizes;
+} shardmuon_layout;
+
+/* Coefficient schedules (a_k, b_k, c_k) of the Newton-Schulz iteration
+ * X <- a X + b (X X^T) X + c (X X^T)^2 X. "Cycled" tables restart after their last entry;
+ * "repeat last" tables keep using their last entry. */
+typedef enum shardmuon_schedule {
+  SHARDMUON_SCHEDULE_SIMPLE = 0,        /* (3.4445, -4.7750, 2.0315), cycled */
+  SHARDMUON_SCHEDULE_QUINTIC = 1,       /* 5 entries, cycled */
+  SHARDMUON_SCHEDULE_POLAR_EXPRESS = 2, /* 8 entries, repeat last (arXiv 2505.16932) */
+  SHARDMUON_SCHEDULE_CANS = 3,          /* 5 entries, repeat last (arXiv 2506.10935) */
+  SHARDMUON_SCHEDULE_AOL = 4,           /* 4 entries, cycled */
+  SHARDMUON_SCHEDULE_CUSTOM = 5         /* one (a, b, c) per iteration, given by the caller */
+} shardmuon_schedule;
+
+/* How the orthogonalization of a sharded matrix is distributed (DESIGN.md section 3). */
+typedef enum shardmuon_ns_algorithm {
+  SHARDMUON_NS_AUTO = 0, /* let the library choose */
+  /* (a) all-gather the matrix, run the whole iteration on every rank, keep the own shard. */
+  SHARDMUON_NS_DUPLICATED = 1,
+  /* (b) each rank keeps a block along the long side; every iteration all-reduces the small
+   * Gram matrix. Shards along the short side are first moved to long-side blocks and back
+   * by two all-to-alls ((d) of DESIGN.md). */
+  SHARDMUON_NS_GRAM_ALLREDUCE = 2,
+  /* Reported by shardmuon_ns_plan only, never requested: */
+  SHARDMUON_NS_LOCAL = 100, /* nothing to communicate: replicated, or a group of one */
+  SHARDMUON_NS_GRAM_ALLREDUCE_REDISTRIBUTED = 101 /* (d): all-to-all, (b), all-to-all back */
+} shardmuon_ns_algorithm;
+
+typedef struct shardmuon_ns_options {
+  int num_iterations; /* K >= 1 */
+  shardmuon_schedule schedule;
+  /* SHARDMUON_SCHEDULE_CUSTOM only: num_iterations triples a_0, b_0, c_0, a_1, ... */
+  const double* custom_coefficients;
+  int num_custom_coefficients; /* number of triples; must equal num_iterations */
+  /* X = U / max(||U||_F, eps); eps >= 0. */
+  double eps;
+  shardmuon_ns_algorithm algorithm;
+} shardmuon_ns_options;
+
+/* Fills *options with the defaults: 5 iterations, quintic, eps 1e-7, automatic algorithm. */
+SHARDMUON_API shardmuon_status shardmuon_ns_options_default(shardmuon_ns_options* options);
+
+/* Parses a schedule name ("simple", "quintic", "polar_express", "cans", "aol", "custom"). */
+SHARDMUON_API shardmuon_status shardmuon_schedule_from_name(const char* name,
+                                                            shardmuon_schedule* schedule);
+
+/* The (a, b, c) that the schedule uses at iteration k (0-based) of num_iterations. For the
+ * custom schedule pass the options; otherwise options may be NULL. */
+SHARDMUON_API shardmuon_status shardmuon_schedule_coefficients(shardmuon_schedule schedule,
+                                                               int iteration,
+                                                               const shardmuon_ns_options* options,
+                                                               double* a, double* b, double* c);
+
+/* ------------------------------------------------------------------------------------------ */
+/* Handles                                                                                     */
+/* ------------------------------------------------------------------------------------------ */
+
+/* A context owns the compute resources of one backend: for CUDA, the device, a cuBLASLt
+ * handle and a workspace that grows to the largest call and never shrinks. A context may be
+ * used from one host thread at a time. */
+typedef struct shardmuon_context_s* shardmuon_context_t;
+
+/* A communicator: the group of ranks that share the sharded matrices. */
+typedef struct shardmuon_comm_s* shardmuon_comm_t;
+
+/* cuda_device is ignored for the CPU backend. */
+SHARDMUON_API shardmuon_status shardmuon_context_create(shardmuon_backend backend, int cuda_device,
+                                                        shardmuon_context_t* context);
+/* Waits for the context's outstanding GPU work, then frees it. NULL is a no-op. */
+SHARDMUON_API shardmuon_status shardmuon_context_destroy(shardmuon_context_t context);
+SHARDMUON_API shardmuon_status shardmuon_context_backend(shardmuon_context_t context,
+                                                         shardmuon_backend* backend);
+/* Bytes of workspace the context currently holds. */
+SHARDMUON_API shardmuon_status shardmuon_context_workspace_bytes(shardmuon_context_t context,
+                                                                 size_t* bytes);
+
+/* A group of one rank (no communication); works with every backend. */
+SHARDMUON_API shardmuon_status shardmuon_comm_create_self(shardmuon_comm_t* comm);
+
+/* Wraps an MPI communicator for the CPU backend. mpi_comm is the address of an MPI_Comm
+ * (mpi4py: MPI._addressof(comm)). Collective over that communicator: it is duplicated, so
+ * shardmuon's messages never mix with the caller's. MPI must be initialized. */
+SHARDMUON_API shardmuon_status shardmuon_comm_create_mpi(const void* mpi_comm,
+                                                         shardmuon_comm_t* comm);
+
+/* Wraps (borrows) a caller's ncclComm_t for the CUDA backend; the caller keeps ownership and
+ * must keep it alive while the handle lives. Collective: it splits off a private NCCL
+ * communicator used only for the cross-rank argument check, so that check never waits
+ * behind the caller's own NCCL work. */
+SHARDMUON_API shardmuon_status shardmuon_comm_create_nccl(void* nccl_comm, shardmuon_comm_t* comm);
+
+/* Frees the handle (and the private resources it made); the wrapped communicator remains
+ * the caller's. NULL is a no-op. */
+SHARDMUON_API shardmuon_status shardmuon_comm_destroy(shardmuon_comm_t comm);
+SHARDMUON_API shardmuon_status shardmuon_comm_rank(shardmuon_comm_t comm, int* rank);
+SHARDMUON_API shardmuon_status shardmuon_comm_size(shardmuon_comm_t comm, int* size);
+
+/* ------------------------------------------------------------------------------------------ */
+/* Newton-Schulz orthogonalization                                                             */
+/* ------------------------------------------------------------------------------------------ */
+
+/* Orthogonalizes, in place on every rank's local shard, the logical matrix U described by
+ * layout:
+ *   X = U / max(||U||_F, eps)            (norm over all shards, accumulated in float32 or
+ *                                         float64 and all-reduced)
+ *   for k = 0..K-1: A = X X^T; X <- a_k X + b_k A X + c_k A A X
+ * computed in whichever orientation has the smaller Gram matrix (p(XX^T)X = X p(X^TX)).
+ * The result equals the same computation on the gathered matrix up to rounding.
+ *
+ * local_shard: this rank's shard (see shardmuon_layout), in the backend's memory, aligned to
+ *   its element size. May be NULL only when the local shard is empty.
+ * stream: the caller's cudaStream_t for the CUDA backend, where all the work is enqueued
+ *   (NULL is the legacy default stream, as PyTorch's default stream is); ignored by the CPU
+ *   backend, which computes before returning.
+ *
+ * Collective over comm. Before any collective, the ranks exchange a digest of their
+ * arguments; if one rank's arguments are invalid, or the ranks disagree, every rank returns
+ * an error (INVALID_ARGUMENT on the rank at fault, PEER_FAILED or RANK_MISMATCH on the others)
+ * and no rank's shard is modified. */
+SHARDMUON_API shardmuon_status shardmuon_newton_schulz(shardmuon_context_t context,
+                                                       shardmuon_comm_t comm, void* local_shard,
+                                                       shardmuon_dtype dtype,
+                                                       const shardmuon_layout* layout,
+                                                       const shardmuon_ns_options* options,
+                                                       void* stream);
+
+/* The algorithm shardmuon_newton_schulz would run for these arguments on a group of
+ * comm_size ranks: AUTO resolved, and LOCAL or GRAM_ALLREDUCE_REDISTRIBUTED where they
+ * apply. Local; no communication. */
+SHARDMUON_API shardmuon_status shardmuon_ns_plan(const shardmuon_layout* layout, int comm_size,
+                                                 const shardmuon_ns_options* options,
+                                                 shardmuon_ns_algorithm* chosen);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* SHARDMUON_SHARDMUON_H_ */

@@ -1,0 +1,347 @@
+// The C API: thin entry points that check arguments, convert handles and call into the
+// internals. Every function runs inside api_guard, so no exception crosses the boundary.
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <sstream>
+#include <string>
+
+#include "api/handles.h"
+#include "comm/factories.h"
+#include "core/agreement.h"
+#include "core/api_guard.h"
+#include "core/dtype.h"
+#include "core/layout.h"
+#include "core/newton_schulz.h"
+#include "core/schedule.h"
+#include "cpu/cpu_backend.h"
+#include "cuda/cuda_backend.h"
+
+namespace shardmuon {
+namespace {
+
+thread_local std::string last_error_message;
+
+const char* algorithm_name(int algorithm) {
+  switch (algorithm) {
+    case SHARDMUON_NS_AUTO: return "auto";
+    case SHARDMUON_NS_DUPLICATED: return "duplicated";
+    case SHARDMUON_NS_GRAM_ALLREDUCE: return "gram_allreduce";
+  }
+  return "unknown";
+}
+
+// Everything a Newton-Schulz call needs, validated on this rank alone.
+struct ValidatedNsCall {
+  Backend* backend = nullptr;
+  NsProblem problem;
+  uint64_t digest = 0;
+  std::string description;
+};
+
+ValidatedNsCall validate_ns_call(shardmuon_context_t context, Communicator& comm,
+                                 const void* local_shard, shardmuon_dtype dtype,
+                                 const shardmuon_layout* layout,
+                                 const shardmuon_ns_options* options) {
+  ValidatedNsCall call;
+  call.backend = &backend_of(context, "context");
+  SHARDMUON_CHECK_ARG(layout != nullptr, "layout is NULL");
+  SHARDMUON_CHECK_ARG(options != nullptr, "options is NULL");
+  SHARDMUON_CHECK_ARG(is_valid_dtype(dtype), "dtype is unknown: ", static_cast<int>(dtype));
+  call.backend->check_dtype(dtype);
+  comm.check_compatible(*call.backend);
+  validate_ns_options(*options);
+  const ShardLayout shard_layout = ShardLayout::from_api(*layout, comm.size());
+
+  const int64_t local_elements = shard_layout.local_elements(comm.rank());
+  if (local_elements > 0) {
+    SHARDMUON_CHECK_ARG(local_shard != nullptr, "local_shard is NULL but this rank's shard holds ",
+                        local_elements, " elements (layout ", shard_layout.describe(), ")");
+    SHARDMUON_CHECK_ARG(reinterpret_cast<uintptr_t>(local_shard) % element_size(dtype) == 0,
+                        "local_shard (", local_shard, ") is not aligned to the ",
+                        element_size(dtype), "-byte elements of ", dtype_name(dtype));
+    call.backend->check_pointer(local_shard, "local_shard");
+  }
+
+  call.problem = NsProblem{dtype, shard_layout, coefficients_for(*options), options->eps,
+                           plan_newton_schulz(shard_layout, comm.size(), options->algorithm)};
+
+  Digest digest;
+  digest.add(call.backend->kind()).add(dtype).add(layout->rows).add(layout->cols);
+  digest.add(layout->partition);
+  for (int64_t size : shard_layout.shard_sizes()) digest.add(size);
+  for (const Coefficients& k : call.problem.coefficients) digest.add(k.a).add(k.b).add(k.c);
+  digest.add(options->eps).add(options->algorithm);
+  call.digest = digest.value();
+
+  std::ostringstream description;
+  description << "dtype=" << dtype_name(dtype) << ", layout " << shard_layout.describe()
+              << ", iterations=" << options->num_iterations
+              << ", schedule=" << schedule_name(options->schedule) << ", eps=" << options->eps
+              << ", algorithm=" << algorithm_name(options->algorithm);
+  call.description = description.str();
+  return call;
+}
+
+}  // namespace
+
+void set_last_error(const std::string& message) { last_error_message = message; }
+void clear_last_error() { last_error_message.clear(); }
+
+Backend& backend_of(shardmuon_context_t context, const char* name) {
+  SHARDMUON_CHECK_ARG(context != nullptr, name, " is NULL");
+  SHARDMUON_CHECK_ARG(context->tag == shardmuon_context_s::kTag && context->backend, name, " (",
+                      static_cast<const void*>(context), ") is not a live shardmuon context");
+  return *context->backend;
+}
+
+Communicator& communicator_of(shardmuon_comm_t comm, const char* name) {
+  SHARDMUON_CHECK_ARG(comm != nullptr, name, " is NULL");
+  SHARDMUON_CHECK_ARG(comm->tag == shardmuon_comm_s::kTag && comm->comm, name, " (",
+                      static_cast<const void*>(comm), ") is not a live shardmuon communicator");
+  return *comm->comm;
+}
+
+template <typename Make>
+shardmuon_status create_comm(const char* function, shardmuon_comm_t* comm, Make&& make) {
+  return api_guard(function, [&] {
+    SHARDMUON_CHECK_ARG(comm != nullptr, "comm is NULL");
+    *comm = nullptr;
+    auto handle = std::make_unique<shardmuon_comm_s>();
+    handle->comm = make();
+    *comm = handle.release();
+  });
+}
+
+}  // namespace shardmuon
+
+using shardmuon::api_guard;
+using shardmuon::create_comm;
+
+extern "C" {
+
+const char* shardmuon_last_error(void) { return shardmuon::last_error_message.c_str(); }
+
+const char* shardmuon_status_name(shardmuon_status status) {
+  switch (status) {
+    case SHARDMUON_SUCCESS: return "SHARDMUON_SUCCESS";
+    case SHARDMUON_ERROR_INVALID_ARGUMENT: return "SHARDMUON_ERROR_INVALID_ARGUMENT";
+    case SHARDMUON_ERROR_NOT_BUILT: return "SHARDMUON_ERROR_NOT_BUILT";
+    case SHARDMUON_ERROR_UNSUPPORTED: return "SHARDMUON_ERROR_UNSUPPORTED";
+    case SHARDMUON_ERROR_RANK_MISMATCH: return "SHARDMUON_ERROR_RANK_MISMATCH";
+    case SHARDMUON_ERROR_PEER_FAILED: return "SHARDMUON_ERROR_PEER_FAILED";
+    case SHARDMUON_ERROR_OUT_OF_MEMORY: return "SHARDMUON_ERROR_OUT_OF_MEMORY";
+    case SHARDMUON_ERROR_CUDA: return "SHARDMUON_ERROR_CUDA";
+    case SHARDMUON_ERROR_CUBLAS: return "SHARDMUON_ERROR_CUBLAS";
+    case SHARDMUON_ERROR_NCCL: return "SHARDMUON_ERROR_NCCL";
+    case SHARDMUON_ERROR_MPI: return "SHARDMUON_ERROR_MPI";
+    case SHARDMUON_ERROR_INTERNAL: return "SHARDMUON_ERROR_INTERNAL";
+  }
+  return "SHARDMUON_ERROR_UNKNOWN_STATUS";
+}
+
+shardmuon_status shardmuon_version(int* major, int* minor, int* patch) {
+  return api_guard(__func__, [&] {
+    SHARDMUON_CHECK_ARG(major && minor && patch, "major, minor and patch must not be NULL");
+    *major = SHARDMUON_VERSION_MAJOR;
+    *minor = SHARDMUON_VERSION_MINOR;
+    *patch = SHARDMUON_VERSION_PATCH;
+  });
+}
+
+shardmuon_status shardmuon_build_info(int* has_cuda, int* has_nccl, int* has_mpi) {
+  return api_guard(__func__, [&] {
+#ifdef SHARDMUON_WITH_CUDA
+    const int cuda = 1;
+#else
+    const int cuda = 0;
+#endif
+#ifdef SHARDMUON_WITH_NCCL
+    const int nccl = 1;
+#else
+    const int nccl = 0;
+#endif
+#ifdef SHARDMUON_WITH_MPI
+    const int mpi = 1;
+#else
+    const int mpi = 0;
+#endif
+    if (has_cuda) *has_cuda = cuda;
+    if (has_nccl) *has_nccl = nccl;
+    if (has_mpi) *has_mpi = mpi;
+  });
+}
+
+shardmuon_status shardmuon_ns_options_default(shardmuon_ns_options* options) {
+  return api_guard(__func__, [&] {
+    SHARDMUON_CHECK_ARG(options != nullptr, "options is NULL");
+    *options = shardmuon_ns_options{};
+    options->num_iterations = 5;
+    options->schedule = SHARDMUON_SCHEDULE_QUINTIC;
+    options->custom_coefficients = nullptr;
+    options->num_custom_coefficients = 0;
+    options->eps = 1e-7;
+    options->algorithm = SHARDMUON_NS_AUTO;
+  });
+}
+
+shardmuon_status shardmuon_schedule_from_name(const char* name, shardmuon_schedule* schedule) {
+  return api_guard(__func__, [&] {
+    SHARDMUON_CHECK_ARG(name != nullptr, "name is NULL");
+    SHARDMUON_CHECK_ARG(schedule != nullptr, "schedule is NULL");
+    for (int s = SHARDMUON_SCHEDULE_SIMPLE; s <= SHARDMUON_SCHEDULE_CUSTOM; ++s) {
+      if (std::strcmp(name, shardmuon::schedule_name(s)) == 0) {
+        *schedule = static_cast<shardmuon_schedule>(s);
+        return;
+      }
+    }
+    shardmuon::fail(SHARDMUON_ERROR_INVALID_ARGUMENT, "name \"", name,
+                    "\" is not a schedule (simple, quintic, polar_express, cans, aol, custom)");
+  });
+}
+
+shardmuon_status shardmuon_schedule_coefficients(shardmuon_schedule schedule, int iteration,
+                                                 const shardmuon_ns_options* options, double* a,
+                                                 double* b, double* c) {
+  return api_guard(__func__, [&] {
+    SHARDMUON_CHECK_ARG(a && b && c, "a, b and c must not be NULL");
+    SHARDMUON_CHECK_ARG(shardmuon::is_valid_schedule(schedule), "schedule is unknown: ",
+                        static_cast<int>(schedule));
+    SHARDMUON_CHECK_ARG(iteration >= 0, "iteration must be >= 0, got ", iteration);
+    shardmuon::Coefficients k;
+    if (schedule == SHARDMUON_SCHEDULE_CUSTOM) {
+      SHARDMUON_CHECK_ARG(options != nullptr, "options is NULL for the custom schedule");
+      shardmuon::validate_ns_options(*options);
+      SHARDMUON_CHECK_ARG(iteration < options->num_iterations, "iteration ", iteration,
+                          " is past the ", options->num_iterations, " custom coefficients");
+      k = shardmuon::coefficients_for(*options)[iteration];
+    } else {
+      k = shardmuon::builtin_coefficients(schedule, iteration);
+    }
+    *a = k.a;
+    *b = k.b;
+    *c = k.c;
+  });
+}
+
+shardmuon_status shardmuon_context_create(shardmuon_backend backend, int cuda_device,
+                                          shardmuon_context_t* context) {
+  return api_guard(__func__, [&] {
+    SHARDMUON_CHECK_ARG(context != nullptr, "context is NULL");
+    *context = nullptr;
+    auto handle = std::make_unique<shardmuon_context_s>();
+    switch (backend) {
+      case SHARDMUON_BACKEND_CPU: handle->backend = shardmuon::make_cpu_backend(); break;
+      case SHARDMUON_BACKEND_CUDA: handle->backend = shardmuon::make_cuda_backend(cuda_device); break;
+      default:
+        shardmuon::fail(SHARDMUON_ERROR_INVALID_ARGUMENT, "backend is unknown: ",
+                        static_cast<int>(backend));
+    }
+    *context = handle.release();
+  });
+}
+
+shardmuon_status shardmuon_context_destroy(shardmuon_context_t context) {
+  return api_guard(__func__, [&] {
+    if (context == nullptr) return;
+    shardmuon::backend_of(context, "context");
+    context->tag = 0;
+    delete context;
+  });
+}
+
+shardmuon_status shardmuon_context_backend(shardmuon_context_t context,
+                                           shardmuon_backend* backend) {
+  return api_guard(__func__, [&] {
+    SHARDMUON_CHECK_ARG(backend != nullptr, "backend is NULL");
+    *backend = shardmuon::backend_of(context, "context").kind();
+  });
+}
+
+shardmuon_status shardmuon_context_workspace_bytes(shardmuon_context_t context, size_t* bytes) {
+  return api_guard(__func__, [&] {
+    SHARDMUON_CHECK_ARG(bytes != nullptr, "bytes is NULL");
+    *bytes = shardmuon::backend_of(context, "context").workspace_bytes();
+  });
+}
+
+shardmuon_status shardmuon_comm_create_self(shardmuon_comm_t* comm) {
+  return create_comm(__func__, comm, [] { return shardmuon::make_self_communicator(); });
+}
+
+shardmuon_status shardmuon_comm_create_mpi(const void* mpi_comm, shardmuon_comm_t* comm) {
+  return create_comm(__func__, comm, [&] { return shardmuon::make_mpi_communicator(mpi_comm); });
+}
+
+shardmuon_status shardmuon_comm_create_nccl(void* nccl_comm, shardmuon_comm_t* comm) {
+  return create_comm(__func__, comm, [&] { return shardmuon::make_nccl_communicator(nccl_comm); });
+}
+
+shardmuon_status shardmuon_comm_destroy(shardmuon_comm_t comm) {
+  return api_guard(__func__, [&] {
+    if (comm == nullptr) return;
+    shardmuon::communicator_of(comm, "comm");
+    comm->tag = 0;
+    delete comm;
+  });
+}
+
+shardmuon_status shardmuon_comm_rank(shardmuon_comm_t comm, int* rank) {
+  return api_guard(__func__, [&] {
+    SHARDMUON_CHECK_ARG(rank != nullptr, "rank is NULL");
+    *rank = shardmuon::communicator_of(comm, "comm").rank();
+  });
+}
+
+shardmuon_status shardmuon_comm_size(shardmuon_comm_t comm, int* size) {
+  return api_guard(__func__, [&] {
+    SHARDMUON_CHECK_ARG(size != nullptr, "size is NULL");
+    *size = shardmuon::communicator_of(comm, "comm").size();
+  });
+}
+
+shardmuon_status shardmuon_newton_schulz(shardmuon_context_t context, shardmuon_comm_t comm,
+                                         void* local_shard, shardmuon_dtype dtype,
+                                         const shardmuon_layout* layout,
+                                         const shardmuon_ns_options* options, void* stream) {
+  return api_guard(__func__, [&] {
+    // Without a communicator the ranks cannot be told; this error stays local.
+    shardmuon::Communicator& group = shardmuon::communicator_of(comm, "comm");
+    shardmuon::ValidatedNsCall call;
+    std::exception_ptr local_error;
+    try {
+      call = shardmuon::validate_ns_call(context, group, local_shard, dtype, layout, options);
+    } catch (const shardmuon::Failure&) {
+      local_error = std::current_exception();
+    }
+    shardmuon::agree_across_ranks(group, local_error, call.digest, call.description);
+
+    shardmuon::BackendCallScope scope(*call.backend, stream);
+    shardmuon::run_newton_schulz(*call.backend, group, call.problem, local_shard, stream);
+  });
+}
+
+shardmuon_status shardmuon_ns_plan(const shardmuon_layout* layout, int comm_size,
+                                   const shardmuon_ns_options* options,
+                                   shardmuon_ns_algorithm* chosen) {
+  return api_guard(__func__, [&] {
+    SHARDMUON_CHECK_ARG(layout != nullptr, "layout is NULL");
+    SHARDMUON_CHECK_ARG(options != nullptr, "options is NULL");
+    SHARDMUON_CHECK_ARG(chosen != nullptr, "chosen is NULL");
+    SHARDMUON_CHECK_ARG(comm_size >= 1, "comm_size must be >= 1, got ", comm_size);
+    shardmuon::validate_ns_options(*options);
+    const auto shard_layout = shardmuon::ShardLayout::from_api(*layout, comm_size);
+    const shardmuon::NsPlan plan =
+        shardmuon::plan_newton_schulz(shard_layout, comm_size, options->algorithm);
+    switch (plan.algorithm) {
+      case shardmuon::NsPlan::Algorithm::kLocal: *chosen = SHARDMUON_NS_LOCAL; break;
+      case shardmuon::NsPlan::Algorithm::kDuplicated: *chosen = SHARDMUON_NS_DUPLICATED; break;
+      case shardmuon::NsPlan::Algorithm::kGramAllReduce:
+        *chosen = plan.redistributes ? SHARDMUON_NS_GRAM_ALLREDUCE_REDISTRIBUTED
+                                     : SHARDMUON_NS_GRAM_ALLREDUCE;
+        break;
+    }
+  });
+}
+
+}  // extern "C"

@@ -1,0 +1,47 @@
+// The communication interface of a group of ranks. Implementations: one rank (self), MPI
+// for CPU ranks, NCCL for GPUs. Buffers live in the memory of the backend the communicator
+// serves; collective calls are enqueued on the stream (NCCL) or complete before returning.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "core/backend.h"
+
+namespace shardmuon {
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+
+  virtual const char* kind_name() const = 0;  // "self", "mpi" or "nccl"
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  // Throws INVALID_ARGUMENT if this communicator cannot move the given backend's memory
+  // (MPI moves host memory, NCCL device memory of the context's device).
+  virtual void check_compatible(const Backend& backend) const = 0;
+
+  // In place, element-wise sum over the group of count float32 or float64 values. Every
+  // rank receives the same result.
+  virtual void all_reduce_sum(void* buffer, int64_t count, shardmuon_dtype dtype,
+                              Stream stream) = 0;
+
+  // buffer holds size() blocks of block_bytes; on entry block rank() holds this rank's
+  // contribution, on exit every block holds its rank's contribution.
+  virtual void all_gather_in_place(void* buffer, size_t block_bytes, Stream stream) = 0;
+
+  // Sends send_bytes[r] bytes at send + send_offsets[r] to rank r, and receives
+  // recv_bytes[r] bytes from rank r at recv + recv_offsets[r]. Sizes agree across ranks.
+  virtual void all_to_all(const void* send, const std::vector<size_t>& send_bytes,
+                          const std::vector<size_t>& send_offsets, void* recv,
+                          const std::vector<size_t>& recv_bytes,
+                          const std::vector<size_t>& recv_offsets, Stream stream) = 0;
+
+  // Host-side and blocking: element-wise maximum of count values over the group, on a
+  // channel separate from the caller's own communication, so it never queues behind it.
+  // Used to check that the ranks agree before any collective of a call.
+  virtual void agree_max(int64_t* values, int count) = 0;
+};
+
+}  // namespace shardmuon

@@ -1,0 +1,116 @@
+// Communicator over MPI for CPU ranks (host memory). The caller's communicator is
+// duplicated so that shardmuon's messages can never match the caller's.
+#include <mpi.h>
+
+#include <algorithm>
+#include <climits>
+#include <string>
+
+#include "comm/factories.h"
+#include "core/error.h"
+
+namespace shardmuon {
+namespace {
+
+void check_mpi(int code, const char* what) {
+  if (code == MPI_SUCCESS) return;
+  char message[MPI_MAX_ERROR_STRING];
+  int length = 0;
+  MPI_Error_string(code, message, &length);
+  fail(SHARDMUON_ERROR_MPI, what, " failed: ", std::string(message, length));
+}
+
+int checked_count(size_t count, const char* what) {
+  if (count > static_cast<size_t>(INT_MAX)) {
+    fail(SHARDMUON_ERROR_UNSUPPORTED, what, ": ", count,
+         " exceeds the largest count of one MPI message (INT_MAX)");
+  }
+  return static_cast<int>(count);
+}
+
+class MpiCommunicator final : public Communicator {
+ public:
+  explicit MpiCommunicator(MPI_Comm caller_comm) {
+    // Errors are returned, not fatal, so they reach the caller as a status.
+    check_mpi(MPI_Comm_dup(caller_comm, &comm_), "MPI_Comm_dup");
+    check_mpi(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
+    check_mpi(MPI_Comm_rank(comm_, &rank_), "MPI_Comm_rank");
+    check_mpi(MPI_Comm_size(comm_, &size_), "MPI_Comm_size");
+  }
+  ~MpiCommunicator() override {
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (!finalized) MPI_Comm_free(&comm_);
+  }
+
+  const char* kind_name() const override { return "mpi"; }
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+
+  void check_compatible(const Backend& backend) const override {
+    SHARDMUON_CHECK_ARG(backend.kind() == SHARDMUON_BACKEND_CPU,
+                        "comm is an MPI communicator, which moves host memory; the context's "
+                        "backend must be CPU");
+  }
+
+  void all_reduce_sum(void* buffer, int64_t count, shardmuon_dtype dtype, Stream) override {
+    const MPI_Datatype type = dtype == SHARDMUON_FLOAT64 ? MPI_DOUBLE : MPI_FLOAT;
+    const size_t element = dtype == SHARDMUON_FLOAT64 ? 8 : 4;
+    // Large buffers go in pieces: MPI counts are int.
+    for (int64_t done = 0; done < count;) {
+      const int piece = static_cast<int>(std::min<int64_t>(count - done, INT_MAX));
+      check_mpi(MPI_Allreduce(MPI_IN_PLACE, static_cast<char*>(buffer) + done * element, piece,
+                              type, MPI_SUM, comm_),
+                "MPI_Allreduce");
+      done += piece;
+    }
+  }
+
+  void all_gather_in_place(void* buffer, size_t block_bytes, Stream) override {
+    const int count = checked_count(block_bytes, "all-gather block bytes");
+    check_mpi(MPI_Allgather(MPI_IN_PLACE, 0, MPI_BYTE, buffer, count, MPI_BYTE, comm_),
+              "MPI_Allgather");
+  }
+
+  void all_to_all(const void* send, const std::vector<size_t>& send_bytes,
+                  const std::vector<size_t>& send_offsets, void* recv,
+                  const std::vector<size_t>& recv_bytes, const std::vector<size_t>& recv_offsets,
+                  Stream) override {
+    std::vector<int> counts[4];
+    const std::vector<size_t>* sources[4] = {&send_bytes, &send_offsets, &recv_bytes,
+                                             &recv_offsets};
+    for (int i = 0; i < 4; ++i) {
+      for (size_t value : *sources[i]) {
+        counts[i].push_back(checked_count(value, "all-to-all bytes"));
+      }
+    }
+    check_mpi(MPI_Alltoallv(send, counts[0].data(), counts[1].data(), MPI_BYTE, recv,
+                            counts[2].data(), counts[3].data(), MPI_BYTE, comm_),
+              "MPI_Alltoallv");
+  }
+
+  void agree_max(int64_t* values, int count) override {
+    check_mpi(MPI_Allreduce(MPI_IN_PLACE, values, count, MPI_INT64_T, MPI_MAX, comm_),
+              "MPI_Allreduce (argument check)");
+  }
+
+ private:
+  MPI_Comm comm_ = MPI_COMM_NULL;
+  int rank_ = 0, size_ = 1;
+};
+
+}  // namespace
+
+std::unique_ptr<Communicator> make_mpi_communicator(const void* mpi_comm) {
+  SHARDMUON_CHECK_ARG(mpi_comm != nullptr, "mpi_comm is NULL (pass the address of an MPI_Comm)");
+  int initialized = 0, finalized = 0;
+  MPI_Initialized(&initialized);
+  MPI_Finalized(&finalized);
+  SHARDMUON_CHECK_ARG(initialized && !finalized,
+                      "MPI is not initialized (or already finalized); call MPI_Init first");
+  const MPI_Comm comm = *static_cast<const MPI_Comm*>(mpi_comm);
+  SHARDMUON_CHECK_ARG(comm != MPI_COMM_NULL, "*mpi_comm is MPI_COMM_NULL");
+  return std::make_unique<MpiCommunicator>(comm);
+}
+
+}  // namespace shardmuon

@@ -1,0 +1,40 @@
+// The cross-rank argument check that runs before any collective of a call. Each rank
+// validates its own arguments locally, then all ranks exchange (on the communicator's
+// private channel) whether they succeeded and a digest of what they passed. So a rank with
+// bad arguments, or ranks that disagree, make every rank return an error instead of some
+// ranks entering collectives that the others never join.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <string>
+
+#include "comm/communicator.h"
+
+namespace shardmuon {
+
+// FNV-1a over the bytes of the values that must agree across ranks.
+class Digest {
+ public:
+  template <typename T>
+  Digest& add(const T& value) {
+    unsigned char bytes[sizeof(T)];
+    std::memcpy(bytes, &value, sizeof(T));
+    for (unsigned char byte : bytes) hash_ = (hash_ ^ byte) * 1099511628211ull;
+    return *this;
+  }
+  uint64_t value() const { return hash_; }
+
+ private:
+  uint64_t hash_ = 14695981039346656037ull;
+};
+
+// Every rank of comm calls this. local_error is the exception of this rank's validation,
+// or null. Returns normally when every rank validated and the digests agree; otherwise
+// throws on every rank: this rank's own error, PEER_FAILED naming the first failed rank, or
+// RANK_MISMATCH with `arguments` (this rank's arguments, for the message).
+void agree_across_ranks(Communicator& comm, std::exception_ptr local_error, uint64_t digest,
+                        const std::string& arguments);
+
+}  // namespace shardmuon

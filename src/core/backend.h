@@ -1,0 +1,84 @@
+// The compute interface that the CPU and CUDA backends implement as peers. The
+// distributed algorithms in core/ are written once against it (and comm/communicator.h),
+// so the same code runs on CPU ranks over MPI and on GPUs over NCCL.
+//
+// Memory passed to a backend lives where the backend computes (host memory for the CPU
+// backend, device memory for CUDA). Work is ordered on the stream (a cudaStream_t; the CPU
+// backend ignores it and computes before returning).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "shardmuon/shardmuon.h"
+
+namespace shardmuon {
+
+using Stream = void*;
+
+// D = alpha * op(A) * op(B) + beta * C, all matrices column-major (BLAS convention):
+// op(A) is m x k, op(B) is k x n, C and D are m x n. A and B share one element type,
+// C and D another; products accumulate in float64 for float64 operands, float32 otherwise.
+// beta == 0 means C is not read. D must not alias A or B; it may alias C.
+struct GemmCall {
+  bool transpose_a = false, transpose_b = false;
+  int64_t m = 0, n = 0, k = 0;
+  double alpha = 1.0, beta = 0.0;
+  const void* a = nullptr;
+  int64_t lda = 0;
+  const void* b = nullptr;
+  int64_t ldb = 0;
+  const void* c = nullptr;
+  int64_t ldc = 0;
+  void* d = nullptr;
+  int64_t ldd = 0;
+  shardmuon_dtype ab_type = SHARDMUON_FLOAT32;
+  shardmuon_dtype cd_type = SHARDMUON_FLOAT32;
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+
+  virtual shardmuon_backend kind() const = 0;
+  // The CUDA device the backend computes on; -1 for the CPU backend.
+  virtual int device() const { return -1; }
+
+  // Brackets one library call: the CUDA backend makes its device current and orders this
+  // call after the previous one if the caller switched streams.
+  virtual void begin_call(Stream stream) = 0;
+  virtual void end_call(Stream stream) = 0;
+
+  // Throws INVALID_ARGUMENT (naming `name`) if ptr is not memory this backend computes on.
+  virtual void check_pointer(const void* ptr, const char* name) const = 0;
+  // Throws UNSUPPORTED if this backend does not compute in dtype.
+  virtual void check_dtype(shardmuon_dtype dtype) const = 0;
+
+  // Scratch memory of at least `bytes`, 256-byte aligned, reused by later calls: it grows
+  // to the largest request and never shrinks. The pointer stays valid until the next call
+  // of workspace().
+  virtual void* workspace(size_t bytes, Stream stream) = 0;
+  virtual size_t workspace_bytes() const = 0;
+
+  // Scratch bytes that sum_of_squares needs for count elements.
+  virtual size_t sum_of_squares_scratch_bytes(shardmuon_dtype dtype, int64_t count) const = 0;
+  // *result (one value of accumulate_dtype(dtype)) = sum of x[i]^2, deterministic.
+  virtual void sum_of_squares(const void* x, shardmuon_dtype dtype, int64_t count, void* result,
+                              void* scratch, size_t scratch_bytes, Stream stream) = 0;
+  // y = x / max(sqrt(*sum_of_squares), eps), reading the sum where it lies (no host round
+  // trip). A zero sum gives y = 0, never NaN. x and y may alias.
+  virtual void divide_by_norm(const void* x, void* y, shardmuon_dtype dtype, int64_t count,
+                              const void* sum_of_squares, double eps, Stream stream) = 0;
+
+  virtual void gemm(const GemmCall& call, Stream stream) = 0;
+
+  // dst[i] = src[i] converted (float32 -> bfloat16 rounds to nearest even).
+  virtual void convert(const void* src, shardmuon_dtype src_type, void* dst,
+                       shardmuon_dtype dst_type, int64_t count, Stream stream) = 0;
+  // Copies `rows` rows of row_bytes each between pitched buffers.
+  virtual void copy_2d(void* dst, size_t dst_pitch, const void* src, size_t src_pitch,
+                       size_t row_bytes, size_t rows, Stream stream) = 0;
+  virtual void fill_zero(void* dst, size_t bytes, Stream stream) = 0;
+};
+
+}  // namespace shardmuon

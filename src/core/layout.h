@@ -1,0 +1,53 @@
+// The layout of one logical matrix over the ranks of a group, validated and resolved:
+// shard sizes filled in (balanced split for NULL) and their offsets.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "shardmuon/shardmuon.h"
+
+namespace shardmuon {
+
+// Splits total into parts pieces that differ by at most one, the larger ones first.
+std::vector<int64_t> balanced_split(int64_t total, int parts);
+
+// Exclusive prefix sums: offsets[r] = sizes[0] + ... + sizes[r-1].
+std::vector<int64_t> prefix_offsets(const std::vector<int64_t>& sizes);
+
+class ShardLayout {
+ public:
+  // Validates a caller's layout for a group of comm_size ranks; throws INVALID_ARGUMENT
+  // naming the field at fault.
+  static ShardLayout from_api(const shardmuon_layout& layout, int comm_size);
+
+  int64_t rows() const { return rows_; }
+  int64_t cols() const { return cols_; }
+  shardmuon_partition partition() const { return partition_; }
+  bool is_sharded() const { return partition_ != SHARDMUON_REPLICATED; }
+  // 0 or 1 for sharded layouts.
+  int sharded_dim() const { return partition_ == SHARDMUON_SHARDED_DIM0 ? 0 : 1; }
+  const std::vector<int64_t>& shard_sizes() const { return shard_sizes_; }
+  const std::vector<int64_t>& shard_offsets() const { return shard_offsets_; }
+
+  int64_t local_rows(int rank) const;
+  int64_t local_cols(int rank) const;
+  int64_t local_elements(int rank) const { return local_rows(rank) * local_cols(rank); }
+
+  // The smaller and larger logical extents: the Gram matrix is s x s.
+  int64_t short_extent() const { return rows_ <= cols_ ? rows_ : cols_; }
+  int64_t long_extent() const { return rows_ <= cols_ ? cols_ : rows_; }
+  // The dim along which the iteration's blocks lie (the long side). For a square matrix,
+  // the sharded dim, so that its shards need no redistribution.
+  int long_dim() const;
+
+  std::string describe() const;
+
+ private:
+  int64_t rows_ = 0, cols_ = 0;
+  shardmuon_partition partition_ = SHARDMUON_REPLICATED;
+  std::vector<int64_t> shard_sizes_, shard_offsets_;
+};
+
+}  // namespace shardmuon

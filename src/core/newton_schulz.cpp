@@ -1,0 +1,428 @@
+#include "core/newton_schulz.h"
+
+#include <algorithm>
+
+#include "core/dtype.h"
+#include "core/error.h"
+#include "core/workspace_carver.h"
+
+namespace shardmuon {
+namespace {
+
+char* byte_offset(void* base, int64_t bytes) { return static_cast<char*>(base) + bytes; }
+const char* byte_offset(const void* base, int64_t bytes) {
+  return static_cast<const char*>(base) + bytes;
+}
+
+// X in the wide orientation (s x L, s <= L), restricted to a block of `length` of its L
+// columns, seen as a column-major BLAS operand of the row-major data:
+//  - long_side_is_cols (rows <= cols): the row-major block is s x length, which column-major
+//    is X^T (length x s, leading dimension length);
+//  - otherwise X = W^T: the row-major block is length x s, which column-major is
+//    X itself (s x length, leading dimension s).
+// Either way no data is transposed; only the GEMMs' transpose flags differ.
+struct WideBlock {
+  int64_t s = 0;
+  int64_t length = 0;
+  bool long_side_is_cols = true;
+
+  static WideBlock of(const ShardLayout& layout, int64_t block_rows, int64_t block_cols) {
+    WideBlock block;
+    block.long_side_is_cols = layout.long_dim() == 1;
+    block.s = block.long_side_is_cols ? block_rows : block_cols;
+    block.length = block.long_side_is_cols ? block_cols : block_rows;
+    return block;
+  }
+  int64_t elements() const { return s * length; }
+};
+
+// Scratch buffers of one Newton-Schulz run on a block.
+struct IterationBuffers {
+  void* x[2];          // ping-pong iterates, storage dtype
+  void* gram;          // A = X X^T, s x s, accumulate dtype (all-reduced)
+  void* poly;          // B = b A + c A A, s x s, accumulate dtype
+  void* gram_storage;  // A rounded to the storage dtype (bf16 only) for the A A product
+  void* poly_storage;  // B rounded to the storage dtype (bf16 only) for the B X product
+  void* sum_of_squares;
+  void* reduce_scratch;
+  size_t reduce_scratch_bytes;
+};
+
+struct IterationSlots {
+  size_t x0, x1, gram, poly, gram_storage, poly_storage, sum_of_squares, reduce_scratch;
+  size_t reduce_scratch_bytes;
+  bool rounds_to_storage;
+
+  static IterationSlots reserve(WorkspaceCarver& carver, const Backend& backend,
+                                shardmuon_dtype dtype, const WideBlock& block) {
+    const size_t storage = element_size(dtype);
+    const size_t accumulate = element_size(accumulate_dtype(dtype));
+    const size_t gram_elements = static_cast<size_t>(block.s * block.s);
+    IterationSlots slots;
+    slots.rounds_to_storage = dtype != accumulate_dtype(dtype);
+    slots.x0 = carver.reserve(block.elements() * storage);
+    slots.x1 = carver.reserve(block.elements() * storage);
+    slots.gram = carver.reserve(gram_elements * accumulate);
+    slots.poly = carver.reserve(gram_elements * accumulate);
+    slots.gram_storage = carver.reserve(slots.rounds_to_storage ? gram_elements * storage : 0);
+    slots.poly_storage = carver.reserve(slots.rounds_to_storage ? gram_elements * storage : 0);
+    slots.sum_of_squares = carver.reserve(accumulate);
+    slots.reduce_scratch_bytes = backend.sum_of_squares_scratch_bytes(dtype, block.elements());
+    slots.reduce_scratch = carver.reserve(slots.reduce_scratch_bytes);
+    return slots;
+  }
+
+  IterationBuffers resolve(const WorkspaceCarver& carver) const {
+    IterationBuffers buffers;
+    buffers.x[0] = carver.pointer(x0);
+    buffers.x[1] = carver.pointer(x1);
+    buffers.gram = carver.pointer(gram);
+    buffers.poly = carver.pointer(poly);
+    buffers.gram_storage = rounds_to_storage ? carver.pointer(gram_storage) : buffers.gram;
+    buffers.poly_storage = rounds_to_storage ? carver.pointer(poly_storage) : buffers.poly;
+    buffers.sum_of_squares = carver.pointer(sum_of_squares);
+    buffers.reduce_scratch = carver.pointer(reduce_scratch);
+    buffers.reduce_scratch_bytes = reduce_scratch_bytes;
+    return buffers;
+  }
+};
+
+// gram = X X^T over this block's columns of X (the partial Gram of a long-side block).
+void gram_product(Backend& backend, shardmuon_dtype dtype, const WideBlock& block, const void* x,
+                  void* gram, Stream stream) {
+  const shardmuon_dtype accumulate = accumulate_dtype(dtype);
+  if (block.length == 0) {  // an empty shard contributes nothing to the sum
+    backend.fill_zero(gram, block.s * block.s * element_size(accumulate), stream);
+    return;
+  }
+  GemmCall call;
+  call.m = call.n = block.s;
+  call.k = block.length;
+  call.a = call.b = x;
+  call.ab_type = dtype;
+  call.cd_type = accumulate;
+  call.c = call.d = gram;
+  call.ldc = call.ldd = block.s;
+  if (block.long_side_is_cols) {  // operand is X^T (length x s): (X^T)^T X^T
+    call.transpose_a = true;
+    call.lda = call.ldb = block.length;
+  } else {  // operand is X (s x length): X X^T
+    call.transpose_b = true;
+    call.lda = call.ldb = block.s;
+  }
+  backend.gemm(call, stream);
+}
+
+// B = b A + c A A, from the summed Gram A (accumulate dtype). For bf16 storage, A is rounded
+// to bf16 for the product (tensor-core inputs) while b A is added in float32, and B is
+// rounded to bf16 for the update product.
+void gram_polynomial(Backend& backend, shardmuon_dtype dtype, const WideBlock& block,
+                     const Coefficients& coefficients, const IterationBuffers& buffers,
+                     Stream stream) {
+  const shardmuon_dtype accumulate = accumulate_dtype(dtype);
+  const int64_t gram_elements = block.s * block.s;
+  if (buffers.gram_storage != buffers.gram) {
+    backend.convert(buffers.gram, accumulate, buffers.gram_storage, dtype, gram_elements, stream);
+  }
+  GemmCall call;
+  call.m = call.n = call.k = block.s;
+  call.alpha = coefficients.c;
+  call.beta = coefficients.b;
+  call.a = call.b = buffers.gram_storage;
+  call.lda = call.ldb = block.s;
+  call.ab_type = dtype;
+  call.c = buffers.gram;
+  call.d = buffers.poly;
+  call.ldc = call.ldd = block.s;
+  call.cd_type = accumulate;
+  backend.gemm(call, stream);
+  if (buffers.poly_storage != buffers.poly) {
+    backend.convert(buffers.poly, accumulate, buffers.poly_storage, dtype, gram_elements, stream);
+  }
+}
+
+// x_next = a X + B X for this block's columns of X (B is symmetric, so in the transposed
+// view X^T B = (B X)^T).
+void apply_polynomial(Backend& backend, shardmuon_dtype dtype, const WideBlock& block, double a,
+                      const void* poly_storage, const void* x, void* x_next, Stream stream) {
+  if (block.length == 0) return;
+  GemmCall call;
+  call.alpha = 1.0;
+  call.beta = a;
+  call.ab_type = call.cd_type = dtype;
+  call.c = x;
+  call.d = x_next;
+  if (block.long_side_is_cols) {  // X_next^T (length x s) = X^T B
+    call.m = block.length;
+    call.n = call.k = block.s;
+    call.a = x;
+    call.lda = block.length;
+    call.b = poly_storage;
+    call.ldb = block.s;
+    call.ldc = call.ldd = block.length;
+  } else {  // X_next (s x length) = B X
+    call.m = call.k = block.s;
+    call.n = block.length;
+    call.a = poly_storage;
+    call.lda = block.s;
+    call.b = x;
+    call.ldb = block.s;
+    call.ldc = call.ldd = block.s;
+  }
+  backend.gemm(call, stream);
+}
+
+// Normalizes and iterates on a long-side block in place. With comm, the block is one of
+// the group's blocks and the norm and every Gram are summed over the group (algorithm (b));
+// without, the block is the whole matrix.
+void iterate_on_block(Backend& backend, Communicator* comm, const NsProblem& problem,
+                      const WideBlock& block, void* data, const IterationBuffers& buffers,
+                      Stream stream) {
+  const shardmuon_dtype dtype = problem.dtype;
+  const shardmuon_dtype accumulate = accumulate_dtype(dtype);
+  const int64_t count = block.elements();
+
+  if (count > 0) {
+    backend.sum_of_squares(data, dtype, count, buffers.sum_of_squares, buffers.reduce_scratch,
+                           buffers.reduce_scratch_bytes, stream);
+  } else {
+    backend.fill_zero(buffers.sum_of_squares, element_size(accumulate), stream);
+  }
+  if (comm != nullptr) comm->all_reduce_sum(buffers.sum_of_squares, 1, accumulate, stream);
+  if (count > 0) {
+    backend.divide_by_norm(data, buffers.x[0], dtype, count, buffers.sum_of_squares, problem.eps,
+                           stream);
+  }
+
+  // The iterates alternate between the two scratch buffers; the last one lands in `data`,
+  // so the caller's memory is written only by the final product.
+  const void* x = buffers.x[0];
+  const size_t iterations = problem.coefficients.size();
+  for (size_t k = 0; k < iterations; ++k) {
+    void* x_next = k + 1 == iterations ? data : buffers.x[(k + 1) % 2];
+    gram_product(backend, dtype, block, x, buffers.gram, stream);
+    if (comm != nullptr) comm->all_reduce_sum(buffers.gram, block.s * block.s, accumulate, stream);
+    gram_polynomial(backend, dtype, block, problem.coefficients[k], buffers, stream);
+    apply_polynomial(backend, dtype, block, problem.coefficients[k].a, buffers.poly_storage, x,
+                     x_next, stream);
+    x = x_next;
+  }
+}
+
+void run_on_whole_matrix(Backend& backend, const NsProblem& problem, void* matrix,
+                         Stream stream) {
+  const ShardLayout& layout = problem.layout;
+  const WideBlock block = WideBlock::of(layout, layout.rows(), layout.cols());
+  WorkspaceCarver carver;
+  const IterationSlots slots = IterationSlots::reserve(carver, backend, problem.dtype, block);
+  carver.bind(backend.workspace(carver.total_bytes(), stream));
+  iterate_on_block(backend, nullptr, problem, block, matrix, slots.resolve(carver), stream);
+}
+
+// (b): the shards already lie along the long side.
+void run_gram_allreduce(Backend& backend, Communicator& comm, const NsProblem& problem,
+                        void* local_shard, Stream stream) {
+  const ShardLayout& layout = problem.layout;
+  const int rank = comm.rank();
+  const WideBlock block = WideBlock::of(layout, layout.local_rows(rank), layout.local_cols(rank));
+  WorkspaceCarver carver;
+  const IterationSlots slots = IterationSlots::reserve(carver, backend, problem.dtype, block);
+  carver.bind(backend.workspace(carver.total_bytes(), stream));
+  iterate_on_block(backend, &comm, problem, block, local_shard, slots.resolve(carver), stream);
+}
+
+// (a): gather the whole matrix on every rank, iterate, keep the own shard.
+void run_duplicated(Backend& backend, Communicator& comm, const NsProblem& problem,
+                    void* local_shard, Stream stream) {
+  const ShardLayout& layout = problem.layout;
+  const int rank = comm.rank();
+  const int ranks = comm.size();
+  const size_t element = element_size(problem.dtype);
+  const int64_t rows = layout.rows(), cols = layout.cols();
+  const std::vector<int64_t>& sizes = layout.shard_sizes();
+  const std::vector<int64_t>& offsets = layout.shard_offsets();
+
+  // Uneven shards are gathered as equal blocks padded to the largest shard.
+  int64_t largest_shard_elements = 0;
+  for (int r = 0; r < ranks; ++r) {
+    largest_shard_elements = std::max(largest_shard_elements, layout.local_elements(r));
+  }
+  const size_t block_bytes = largest_shard_elements * element;
+
+  const WideBlock whole = WideBlock::of(layout, rows, cols);
+  WorkspaceCarver carver;
+  const size_t gathered_slot = carver.reserve(block_bytes * ranks);
+  const size_t matrix_slot = carver.reserve(rows * cols * element);
+  const IterationSlots slots = IterationSlots::reserve(carver, backend, problem.dtype, whole);
+  carver.bind(backend.workspace(carver.total_bytes(), stream));
+  char* gathered = static_cast<char*>(carver.pointer(gathered_slot));
+  char* matrix = static_cast<char*>(carver.pointer(matrix_slot));
+
+  const size_t own_bytes = layout.local_elements(rank) * element;
+  if (own_bytes > 0) {
+    backend.copy_2d(gathered + rank * block_bytes, own_bytes, local_shard, own_bytes, own_bytes, 1,
+                    stream);
+  }
+  comm.all_gather_in_place(gathered, block_bytes, stream);
+
+  // Block r of the gathered buffer is rank r's row-major shard; place it in the matrix.
+  const bool row_blocks = layout.sharded_dim() == 0;
+  for (int r = 0; r < ranks; ++r) {
+    if (sizes[r] == 0) continue;
+    if (row_blocks) {
+      const size_t bytes = sizes[r] * cols * element;
+      backend.copy_2d(matrix + offsets[r] * cols * element, bytes, gathered + r * block_bytes,
+                      bytes, bytes, 1, stream);
+    } else {
+      backend.copy_2d(matrix + offsets[r] * element, cols * element, gathered + r * block_bytes,
+                      sizes[r] * element, sizes[r] * element, rows, stream);
+    }
+  }
+
+  iterate_on_block(backend, nullptr, problem, whole, matrix, slots.resolve(carver), stream);
+
+  if (sizes[rank] == 0) return;
+  if (row_blocks) {
+    backend.copy_2d(local_shard, own_bytes, matrix + offsets[rank] * cols * element, own_bytes,
+                    own_bytes, 1, stream);
+  } else {
+    backend.copy_2d(local_shard, sizes[rank] * element, matrix + offsets[rank] * element,
+                    cols * element, sizes[rank] * element, rows, stream);
+  }
+}
+
+// A sub-matrix of a row-major buffer.
+struct Block {
+  int64_t row0, col0, rows, cols;
+  int64_t elements() const { return rows * cols; }
+};
+
+// Every rank sends send_blocks[r] of its buffer `src` to rank r and receives recv_blocks[r]
+// of `dst` from rank r. Blocks are packed into contiguous staging buffers around one
+// all-to-all.
+void exchange_blocks(Backend& backend, Communicator& comm, size_t element, const void* src,
+                     int64_t src_ld, const std::vector<Block>& send_blocks, void* dst,
+                     int64_t dst_ld, const std::vector<Block>& recv_blocks, char* stage_send,
+                     char* stage_recv, Stream stream) {
+  const int ranks = comm.size();
+  std::vector<size_t> send_bytes(ranks), send_offsets(ranks), recv_bytes(ranks),
+      recv_offsets(ranks);
+  size_t send_total = 0, recv_total = 0;
+  for (int r = 0; r < ranks; ++r) {
+    const Block& out = send_blocks[r];
+    send_bytes[r] = out.elements() * element;
+    send_offsets[r] = send_total;
+    if (send_bytes[r] > 0) {
+      backend.copy_2d(stage_send + send_total, out.cols * element,
+                      byte_offset(src, (out.row0 * src_ld + out.col0) * element),
+                      src_ld * element, out.cols * element, out.rows, stream);
+    }
+    send_total += send_bytes[r];
+    recv_bytes[r] = recv_blocks[r].elements() * element;
+    recv_offsets[r] = recv_total;
+    recv_total += recv_bytes[r];
+  }
+  comm.all_to_all(stage_send, send_bytes, send_offsets, stage_recv, recv_bytes, recv_offsets,
+                  stream);
+  for (int r = 0; r < ranks; ++r) {
+    const Block& in = recv_blocks[r];
+    if (recv_bytes[r] == 0) continue;
+    backend.copy_2d(byte_offset(dst, (in.row0 * dst_ld + in.col0) * element), dst_ld * element,
+                    stage_recv + recv_offsets[r], in.cols * element, in.cols * element, in.rows,
+                    stream);
+  }
+}
+
+// (d): the shards lie along the short side. Move them to a balanced split along the long
+// side, run (b) there, and move the result back.
+void run_redistributed(Backend& backend, Communicator& comm, const NsProblem& problem,
+                       void* local_shard, Stream stream) {
+  const ShardLayout& layout = problem.layout;
+  const int rank = comm.rank();
+  const int ranks = comm.size();
+  const size_t element = element_size(problem.dtype);
+  const int source_dim = layout.sharded_dim();  // the short side
+  const std::vector<int64_t>& source_sizes = layout.shard_sizes();
+  const std::vector<int64_t>& source_offsets = layout.shard_offsets();
+  const int64_t long_extent = source_dim == 0 ? layout.cols() : layout.rows();
+  const std::vector<int64_t> target_sizes = balanced_split(long_extent, ranks);
+  const std::vector<int64_t> target_offsets = prefix_offsets(target_sizes);
+
+  // A block given by its range along the source dim and along the target dim.
+  auto block_of = [source_dim](int64_t source_start, int64_t source_length, int64_t target_start,
+                               int64_t target_length) {
+    return source_dim == 0 ? Block{source_start, target_start, source_length, target_length}
+                           : Block{target_start, source_start, target_length, source_length};
+  };
+  std::vector<Block> to_target(ranks), from_source(ranks);
+  for (int r = 0; r < ranks; ++r) {
+    // My shard's part that becomes rank r's long-side block, in my shard's coordinates.
+    to_target[r] = block_of(0, source_sizes[rank], target_offsets[r], target_sizes[r]);
+    // Rank r's part of my long-side block, in my long-side block's coordinates.
+    from_source[r] = block_of(source_offsets[r], source_sizes[r], 0, target_sizes[rank]);
+  }
+
+  const int64_t source_ld = source_dim == 0 ? layout.cols() : source_sizes[rank];
+  const int64_t target_rows = source_dim == 0 ? layout.rows() : target_sizes[rank];
+  const int64_t target_cols = source_dim == 0 ? target_sizes[rank] : layout.cols();
+  const int64_t target_ld = target_cols;
+  const WideBlock block = WideBlock::of(layout, target_rows, target_cols);
+  const int64_t staged_elements =
+      std::max(layout.local_elements(rank), target_rows * target_cols);
+
+  WorkspaceCarver carver;
+  const size_t target_slot = carver.reserve(target_rows * target_cols * element);
+  const size_t send_slot = carver.reserve(staged_elements * element);
+  const size_t recv_slot = carver.reserve(staged_elements * element);
+  const IterationSlots slots = IterationSlots::reserve(carver, backend, problem.dtype, block);
+  carver.bind(backend.workspace(carver.total_bytes(), stream));
+  void* target = carver.pointer(target_slot);
+  char* stage_send = static_cast<char*>(carver.pointer(send_slot));
+  char* stage_recv = static_cast<char*>(carver.pointer(recv_slot));
+
+  exchange_blocks(backend, comm, element, local_shard, source_ld, to_target, target, target_ld,
+                  from_source, stage_send, stage_recv, stream);
+  iterate_on_block(backend, &comm, problem, block, target, slots.resolve(carver), stream);
+  exchange_blocks(backend, comm, element, target, target_ld, from_source, local_shard, source_ld,
+                  to_target, stage_send, stage_recv, stream);
+}
+
+}  // namespace
+
+NsPlan plan_newton_schulz(const ShardLayout& layout, int comm_size,
+                          shardmuon_ns_algorithm requested) {
+  NsPlan plan;
+  if (!layout.is_sharded() || comm_size == 1) return plan;  // nothing to communicate
+  if (requested == SHARDMUON_NS_DUPLICATED) {
+    plan.algorithm = NsPlan::Algorithm::kDuplicated;
+    return plan;
+  }
+  // AUTO and GRAM_ALLREDUCE: (b) moves s^2 per iteration instead of the whole matrix and
+  // does no redundant work on the long side, so it is the better of the two for every
+  // sharded shape; the cost-model planner of the speed work refines this.
+  plan.algorithm = NsPlan::Algorithm::kGramAllReduce;
+  plan.redistributes = layout.sharded_dim() != layout.long_dim();
+  return plan;
+}
+
+void run_newton_schulz(Backend& backend, Communicator& comm, const NsProblem& problem,
+                       void* local_shard, Stream stream) {
+  switch (problem.plan.algorithm) {
+    case NsPlan::Algorithm::kLocal:
+      run_on_whole_matrix(backend, problem, local_shard, stream);
+      return;
+    case NsPlan::Algorithm::kDuplicated:
+      run_duplicated(backend, comm, problem, local_shard, stream);
+      return;
+    case NsPlan::Algorithm::kGramAllReduce:
+      if (problem.plan.redistributes) {
+        run_redistributed(backend, comm, problem, local_shard, stream);
+      } else {
+        run_gram_allreduce(backend, comm, problem, local_shard, stream);
+      }
+      return;
+  }
+  fail(SHARDMUON_ERROR_INTERNAL, "unknown Newton-Schulz plan");
+}
+
+}  // namespace shardmuon

@@ -1,0 +1,41 @@
+// Distributed Newton-Schulz orthogonalization of one matrix, written once against the
+// Backend and Communicator interfaces. DESIGN.md section 3 names the algorithms:
+//   (a) duplicated: all-gather, full iteration everywhere, keep the own shard;
+//   (b) Gram all-reduce: blocks along the long side, the s x s Gram summed every iteration;
+//   (d) shards along the short side moved to long-side blocks by all-to-all, (b), and back.
+#pragma once
+
+#include <vector>
+
+#include "comm/communicator.h"
+#include "core/backend.h"
+#include "core/layout.h"
+#include "core/schedule.h"
+
+namespace shardmuon {
+
+struct NsPlan {
+  // Never AUTO: LOCAL when no communication is needed (replicated, or one rank).
+  enum class Algorithm { kLocal, kDuplicated, kGramAllReduce };
+  Algorithm algorithm = Algorithm::kLocal;
+  // (d): the shards lie along the short side and are moved to the long side and back.
+  bool redistributes = false;
+};
+
+NsPlan plan_newton_schulz(const ShardLayout& layout, int comm_size,
+                          shardmuon_ns_algorithm requested);
+
+struct NsProblem {
+  shardmuon_dtype dtype;
+  ShardLayout layout;
+  std::vector<Coefficients> coefficients;  // one per iteration
+  double eps;
+  NsPlan plan;
+};
+
+// Orthogonalizes this rank's shard in place. Arguments already validated and agreed on by
+// every rank; the caller's buffer is written only at the end.
+void run_newton_schulz(Backend& backend, Communicator& comm, const NsProblem& problem,
+                       void* local_shard, Stream stream);
+
+}  // namespace shardmuon

@@ -1,0 +1,198 @@
+#include "cpu/cpu_backend.h"
+
+#include <cblas.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "core/dtype.h"
+#include "core/error.h"
+
+namespace shardmuon {
+namespace {
+
+constexpr size_t kAlignment = 256;
+
+struct AlignedFree {
+  void operator()(void* pointer) const { std::free(pointer); }
+};
+
+double load(const void* data, shardmuon_dtype dtype, int64_t i) {
+  switch (dtype) {
+    case SHARDMUON_FLOAT32: return static_cast<const float*>(data)[i];
+    case SHARDMUON_BFLOAT16: return bf16_bits_to_float(static_cast<const uint16_t*>(data)[i]);
+    case SHARDMUON_FLOAT64: return static_cast<const double*>(data)[i];
+  }
+  return 0;
+}
+
+void store(void* data, shardmuon_dtype dtype, int64_t i, double value) {
+  switch (dtype) {
+    case SHARDMUON_FLOAT32: static_cast<float*>(data)[i] = static_cast<float>(value); return;
+    case SHARDMUON_BFLOAT16:
+      static_cast<uint16_t*>(data)[i] = float_to_bf16_bits(static_cast<float>(value));
+      return;
+    case SHARDMUON_FLOAT64: static_cast<double*>(data)[i] = value; return;
+  }
+}
+
+// OpenBLAS takes 32-bit dimensions (blasint) unless built for ILP64.
+blasint blas_dimension(int64_t value) {
+  if (value > std::numeric_limits<blasint>::max()) {
+    fail(SHARDMUON_ERROR_UNSUPPORTED, "GEMM dimension ", value,
+         " exceeds the CPU backend's BLAS integer range");
+  }
+  return static_cast<blasint>(value);
+}
+
+// Elements a column-major operand of `columns` columns with leading dimension ld spans.
+int64_t span(int64_t ld, int64_t columns) { return columns == 0 ? 0 : ld * columns; }
+
+class CpuBackend final : public Backend {
+ public:
+  shardmuon_backend kind() const override { return SHARDMUON_BACKEND_CPU; }
+  void begin_call(Stream) override {}
+  void end_call(Stream) override {}
+  void check_pointer(const void*, const char*) const override {}
+  void check_dtype(shardmuon_dtype) const override {}
+
+  void* workspace(size_t bytes, Stream) override {
+    if (bytes > workspace_bytes_) {
+      const size_t rounded = (bytes + kAlignment - 1) / kAlignment * kAlignment;
+      void* pointer = std::aligned_alloc(kAlignment, rounded);
+      if (pointer == nullptr) fail(SHARDMUON_ERROR_OUT_OF_MEMORY, "workspace of ", rounded, " bytes");
+      workspace_.reset(pointer);
+      workspace_bytes_ = rounded;
+    }
+    return workspace_.get();
+  }
+  size_t workspace_bytes() const override { return workspace_bytes_; }
+
+  size_t sum_of_squares_scratch_bytes(shardmuon_dtype, int64_t) const override { return 0; }
+
+  void sum_of_squares(const void* x, shardmuon_dtype dtype, int64_t count, void* result, void*,
+                      size_t, Stream) override {
+    double sum = 0;
+    for (int64_t i = 0; i < count; ++i) {
+      const double value = load(x, dtype, i);
+      sum += value * value;
+    }
+    store(result, accumulate_dtype(dtype), 0, sum);
+  }
+
+  void divide_by_norm(const void* x, void* y, shardmuon_dtype dtype, int64_t count,
+                      const void* sum_of_squares, double eps, Stream) override {
+    const shardmuon_dtype accumulate = accumulate_dtype(dtype);
+    double scale;
+    if (accumulate == SHARDMUON_FLOAT64) {
+      const double norm = std::max(std::sqrt(load(sum_of_squares, accumulate, 0)), eps);
+      scale = norm > 0 ? 1.0 / norm : 0.0;
+    } else {  // the CUDA kernel's float32 arithmetic
+      const float norm = std::max(std::sqrt(static_cast<float>(load(sum_of_squares, accumulate, 0))),
+                                  static_cast<float>(eps));
+      scale = norm > 0 ? 1.0f / norm : 0.0f;
+    }
+    for (int64_t i = 0; i < count; ++i) {
+      const double value = accumulate == SHARDMUON_FLOAT64
+                               ? load(x, dtype, i) * scale
+                               : static_cast<float>(load(x, dtype, i)) * static_cast<float>(scale);
+      store(y, dtype, i, value);
+    }
+  }
+
+  void gemm(const GemmCall& call, Stream) override {
+    const CBLAS_TRANSPOSE op_a = call.transpose_a ? CblasTrans : CblasNoTrans;
+    const CBLAS_TRANSPOSE op_b = call.transpose_b ? CblasTrans : CblasNoTrans;
+    const int64_t a_span = span(call.lda, call.transpose_a ? call.m : call.k);
+    const int64_t b_span = span(call.ldb, call.transpose_b ? call.k : call.n);
+    const int64_t d_span = span(call.ldd, call.n);
+    const blasint m = blas_dimension(call.m), n = blas_dimension(call.n), k = blas_dimension(call.k);
+    const blasint lda = blas_dimension(call.lda), ldb = blas_dimension(call.ldb),
+                  ldd = blas_dimension(call.ldd);
+
+    if (call.ab_type == SHARDMUON_FLOAT64) {
+      double* d = static_cast<double*>(call.d);
+      copy_c_into_d(call, d);
+      cblas_dgemm(CblasColMajor, op_a, op_b, m, n, k, call.alpha,
+                  static_cast<const double*>(call.a), lda, static_cast<const double*>(call.b), ldb,
+                  call.beta, d, ldd);
+      return;
+    }
+    // float32 products. bf16 operands are widened exactly; a bf16 result is computed in
+    // float32 (C widened first) and rounded once, as the tensor cores do.
+    const float* a = widen(call.a, call.ab_type, a_span, a_widened_);
+    const float* b = call.b == call.a ? a : widen(call.b, call.ab_type, b_span, b_widened_);
+    float* d;
+    if (call.cd_type == SHARDMUON_FLOAT32) {
+      d = static_cast<float*>(call.d);
+      copy_c_into_d(call, d);
+    } else {
+      d_widened_.assign(d_span, 0.0f);
+      d = d_widened_.data();
+      if (call.beta != 0.0) copy_strided(call.c, call.ldc, d, call.ldd, call);
+    }
+    cblas_sgemm(CblasColMajor, op_a, op_b, m, n, k, static_cast<float>(call.alpha), a, lda, b, ldb,
+                static_cast<float>(call.beta), d, ldd);
+    if (call.cd_type != SHARDMUON_FLOAT32) {
+      for (int64_t j = 0; j < call.n; ++j) {
+        for (int64_t i = 0; i < call.m; ++i) {
+          store(call.d, call.cd_type, j * call.ldd + i, d[j * call.ldd + i]);
+        }
+      }
+    }
+  }
+
+  void convert(const void* src, shardmuon_dtype src_type, void* dst, shardmuon_dtype dst_type,
+               int64_t count, Stream) override {
+    for (int64_t i = 0; i < count; ++i) store(dst, dst_type, i, load(src, src_type, i));
+  }
+
+  void copy_2d(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t row_bytes,
+               size_t rows, Stream) override {
+    for (size_t r = 0; r < rows; ++r) {
+      std::memmove(static_cast<char*>(dst) + r * dst_pitch,
+                   static_cast<const char*>(src) + r * src_pitch, row_bytes);
+    }
+  }
+
+  void fill_zero(void* dst, size_t bytes, Stream) override { std::memset(dst, 0, bytes); }
+
+ private:
+  const float* widen(const void* data, shardmuon_dtype dtype, int64_t count,
+                     std::vector<float>& buffer) {
+    if (dtype == SHARDMUON_FLOAT32) return static_cast<const float*>(data);
+    buffer.resize(count);
+    for (int64_t i = 0; i < count; ++i) buffer[i] = static_cast<float>(load(data, dtype, i));
+    return buffer.data();
+  }
+
+  // Copies the m x n matrix C (cd_type) into D (float32 or float64) when beta reads it.
+  template <typename T>
+  void copy_c_into_d(const GemmCall& call, T* d) {
+    if (call.beta == 0.0 || call.c == call.d) return;
+    copy_strided(call.c, call.ldc, d, call.ldd, call);
+  }
+
+  template <typename T>
+  void copy_strided(const void* c, int64_t ldc, T* d, int64_t ldd, const GemmCall& call) {
+    for (int64_t j = 0; j < call.n; ++j) {
+      for (int64_t i = 0; i < call.m; ++i) {
+        d[j * ldd + i] = static_cast<T>(load(c, call.cd_type, j * ldc + i));
+      }
+    }
+  }
+
+  std::unique_ptr<void, AlignedFree> workspace_;
+  size_t workspace_bytes_ = 0;
+  std::vector<float> a_widened_, b_widened_, d_widened_;
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> make_cpu_backend() { return std::make_unique<CpuBackend>(); }
+
+}  // namespace shardmuon

@@ -1,0 +1,150 @@
+// The CUDA backend: cuBLASLt GEMMs, the elementwise kernels of elementwise.cu, and a
+// stream-ordered workspace. All work goes on the caller's stream; nothing waits on the host.
+#include "cuda/cuda_backend.h"
+
+#include <cuda_runtime_api.h>
+
+#include "core/dtype.h"
+#include "core/error.h"
+#include "cuda/cublaslt_gemm.h"
+#include "cuda/cuda_check.h"
+#include "cuda/cuda_handles.h"
+#include "cuda/elementwise.cuh"
+
+namespace shardmuon {
+namespace {
+
+cudaStream_t as_cuda(Stream stream) { return static_cast<cudaStream_t>(stream); }
+
+// Workspace grows in steps of 2 MiB, so slightly larger shapes do not reallocate.
+constexpr size_t kWorkspaceGranularity = 2u << 20;
+
+class CudaBackend final : public Backend {
+ public:
+  explicit CudaBackend(int device) : device_(device) {
+    int count = 0;
+    SHARDMUON_CUDA(cudaGetDeviceCount(&count));
+    SHARDMUON_CHECK_ARG(device >= 0 && device < count, "cuda_device ", device,
+                        " does not exist (this machine has ", count, " CUDA devices)");
+    DeviceGuard guard(device_);
+    gemm_ = std::make_unique<CublasLtGemm>();
+    last_call_done_ = make_timing_free_event();
+  }
+
+  ~CudaBackend() override {
+    DeviceGuard guard(device_);
+    // The workspace may still be in use by work the caller enqueued.
+    cudaEventSynchronize(last_call_done_.get());
+    if (workspace_ != nullptr) cudaFree(workspace_);
+  }
+
+  shardmuon_backend kind() const override { return SHARDMUON_BACKEND_CUDA; }
+  int device() const override { return device_; }
+
+  void begin_call(Stream stream) override {
+    SHARDMUON_CUDA(cudaGetDevice(&caller_device_));
+    if (caller_device_ != device_) SHARDMUON_CUDA(cudaSetDevice(device_));
+    // The workspace is shared by calls; a call on another stream must come after the last.
+    if (has_last_stream_ && last_stream_ != stream) {
+      SHARDMUON_CUDA(cudaStreamWaitEvent(as_cuda(stream), last_call_done_.get(), 0));
+    }
+  }
+
+  void end_call(Stream stream) override {
+    cudaEventRecord(last_call_done_.get(), as_cuda(stream));
+    last_stream_ = stream;
+    has_last_stream_ = true;
+    if (caller_device_ != device_) cudaSetDevice(caller_device_);
+  }
+
+  void check_pointer(const void* pointer, const char* name) const override {
+    cudaPointerAttributes attributes{};
+    const cudaError_t code = cudaPointerGetAttributes(&attributes, pointer);
+    if (code != cudaSuccess) {
+      cudaGetLastError();  // clear the sticky-free error so later calls are unaffected
+      fail(SHARDMUON_ERROR_INVALID_ARGUMENT, name, " (", pointer,
+           ") is not memory CUDA knows: ", cudaGetErrorString(code));
+    }
+    const bool on_device = attributes.type == cudaMemoryTypeDevice ||
+                           attributes.type == cudaMemoryTypeManaged;
+    SHARDMUON_CHECK_ARG(on_device, name, " (", pointer,
+                        ") is host memory; the CUDA backend needs device memory");
+    SHARDMUON_CHECK_ARG(attributes.type == cudaMemoryTypeManaged || attributes.device == device_,
+                        name, " (", pointer, ") is memory of CUDA device ", attributes.device,
+                        " but the context computes on device ", device_);
+  }
+
+  void check_dtype(shardmuon_dtype dtype) const override {
+    if (dtype == SHARDMUON_FLOAT64) {
+      fail(SHARDMUON_ERROR_UNSUPPORTED,
+           "dtype float64 is computed by the CPU backend only; use float32 or bfloat16 on CUDA");
+    }
+  }
+
+  void* workspace(size_t bytes, Stream stream) override {
+    if (bytes <= workspace_bytes_) return workspace_;
+    const size_t grown = (bytes + kWorkspaceGranularity - 1) / kWorkspaceGranularity *
+                         kWorkspaceGranularity;
+    // Stream-ordered: the old buffer is released after the work already on this stream
+    // (which begin_call ordered after any other stream's use of it).
+    if (workspace_ != nullptr) {
+      SHARDMUON_CUDA(cudaFreeAsync(workspace_, as_cuda(stream)));
+      workspace_ = nullptr;
+      workspace_bytes_ = 0;
+    }
+    SHARDMUON_CUDA(cudaMallocAsync(&workspace_, grown, as_cuda(stream)));
+    workspace_bytes_ = grown;
+    return workspace_;
+  }
+
+  size_t workspace_bytes() const override { return workspace_bytes_; }
+
+  size_t sum_of_squares_scratch_bytes(shardmuon_dtype dtype, int64_t count) const override {
+    return sum_of_squares_scratch_bytes_cuda(dtype, count);
+  }
+
+  void sum_of_squares(const void* x, shardmuon_dtype dtype, int64_t count, void* result,
+                      void* scratch, size_t scratch_bytes, Stream stream) override {
+    sum_of_squares_cuda(x, dtype, count, result, scratch, scratch_bytes, as_cuda(stream));
+  }
+
+  void divide_by_norm(const void* x, void* y, shardmuon_dtype dtype, int64_t count,
+                      const void* sum_of_squares, double eps, Stream stream) override {
+    divide_by_norm_cuda(x, y, dtype, count, sum_of_squares, eps, as_cuda(stream));
+  }
+
+  void gemm(const GemmCall& call, Stream stream) override { gemm_->run(call, as_cuda(stream)); }
+
+  void convert(const void* src, shardmuon_dtype src_type, void* dst, shardmuon_dtype dst_type,
+               int64_t count, Stream stream) override {
+    convert_cuda(src, src_type, dst, dst_type, count, as_cuda(stream));
+  }
+
+  void copy_2d(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t row_bytes,
+               size_t rows, Stream stream) override {
+    SHARDMUON_CUDA(cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, row_bytes, rows,
+                                     cudaMemcpyDeviceToDevice, as_cuda(stream)));
+  }
+
+  void fill_zero(void* dst, size_t bytes, Stream stream) override {
+    SHARDMUON_CUDA(cudaMemsetAsync(dst, 0, bytes, as_cuda(stream)));
+  }
+
+ private:
+  int device_ = 0;
+  int caller_device_ = 0;
+  std::unique_ptr<CublasLtGemm> gemm_;
+  UniqueEvent last_call_done_;
+  Stream last_stream_ = nullptr;
+  bool has_last_stream_ = false;
+  void* workspace_ = nullptr;
+  size_t workspace_bytes_ = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> make_cuda_backend(int device) {
+  return std::make_unique<CudaBackend>(device);
+}
+
+}  // namespace shardmuon
