@@ -40,9 +40,9 @@ struct WideBlock {
 struct IterationBuffers {
   void* x[2];          // ping-pong iterates, storage dtype
   void* gram;          // A = X X^T, s x s, accumulate dtype (all-reduced)
-  void* poly;          // B = b A + c A A, s x s, accumulate dtype
+  void* poly;          // P = a I + b A + c A A, s x s, accumulate dtype
   void* gram_storage;  // A rounded to the storage dtype (bf16 only) for the A A product
-  void* poly_storage;  // B rounded to the storage dtype (bf16 only) for the B X product
+  void* poly_storage;  // P rounded to the storage dtype (bf16 only) for the P X product
   void* sum_of_squares;
   void* reduce_scratch;
   size_t reduce_scratch_bytes;
@@ -113,16 +113,20 @@ void gram_product(Backend& backend, shardmuon_dtype dtype, const WideBlock& bloc
   backend.gemm(call, stream);
 }
 
-// B = b A + c A A, from the summed Gram A (accumulate dtype). For bf16 storage, A is rounded
-// to bf16 for the product (tensor-core inputs) while b A is added in float32, and B is
-// rounded to bf16 for the update product.
+// P = a I + b A + c A A, from the summed Gram A (accumulate dtype), rounded once to the
+// storage dtype for the update product X <- P X.
+//
+// Folding a I into P before rounding (rather than computing a X + B X) matters for bf16:
+// where a singular value is near 1, a + b s^2 + c s^4 is far smaller than its terms (the
+// quintic's first step maps 1 to 0.117 from terms of size 4 to 7), so rounding B = b A + c A A
+// on its own would lose up to 35x more accuracy than rounding P, whose size is the result's.
 void gram_polynomial(Backend& backend, shardmuon_dtype dtype, const WideBlock& block,
                      const Coefficients& coefficients, const IterationBuffers& buffers,
                      Stream stream) {
   const shardmuon_dtype accumulate = accumulate_dtype(dtype);
-  const int64_t gram_elements = block.s * block.s;
-  if (buffers.gram_storage != buffers.gram) {
-    backend.convert(buffers.gram, accumulate, buffers.gram_storage, dtype, gram_elements, stream);
+  if (buffers.gram_storage != buffers.gram) {  // tensor-core operands for A A
+    backend.convert(buffers.gram, accumulate, buffers.gram_storage, dtype, block.s * block.s,
+                    stream);
   }
   GemmCall call;
   call.m = call.n = call.k = block.s;
@@ -136,23 +140,22 @@ void gram_polynomial(Backend& backend, shardmuon_dtype dtype, const WideBlock& b
   call.ldc = call.ldd = block.s;
   call.cd_type = accumulate;
   backend.gemm(call, stream);
-  if (buffers.poly_storage != buffers.poly) {
-    backend.convert(buffers.poly, accumulate, buffers.poly_storage, dtype, gram_elements, stream);
-  }
+  backend.shift_diagonal(buffers.poly, accumulate, buffers.poly_storage, dtype, block.s,
+                         coefficients.a, stream);
 }
 
-// x_next = a X + B X for this block's columns of X (B is symmetric, so in the transposed
-// view X^T B = (B X)^T).
-void apply_polynomial(Backend& backend, shardmuon_dtype dtype, const WideBlock& block, double a,
+// x_next = P X for this block's columns of X (P is symmetric, so in the transposed view
+// X^T P = (P X)^T).
+void apply_polynomial(Backend& backend, shardmuon_dtype dtype, const WideBlock& block,
                       const void* poly_storage, const void* x, void* x_next, Stream stream) {
   if (block.length == 0) return;
   GemmCall call;
   call.alpha = 1.0;
-  call.beta = a;
+  call.beta = 0.0;
   call.ab_type = call.cd_type = dtype;
-  call.c = x;
+  call.c = x_next;
   call.d = x_next;
-  if (block.long_side_is_cols) {  // X_next^T (length x s) = X^T B
+  if (block.long_side_is_cols) {  // X_next^T (length x s) = X^T P
     call.m = block.length;
     call.n = call.k = block.s;
     call.a = x;
@@ -160,7 +163,7 @@ void apply_polynomial(Backend& backend, shardmuon_dtype dtype, const WideBlock& 
     call.b = poly_storage;
     call.ldb = block.s;
     call.ldc = call.ldd = block.length;
-  } else {  // X_next (s x length) = B X
+  } else {  // X_next (s x length) = P X
     call.m = call.k = block.s;
     call.n = block.length;
     call.a = poly_storage;
@@ -203,8 +206,7 @@ void iterate_on_block(Backend& backend, Communicator* comm, const NsProblem& pro
     gram_product(backend, dtype, block, x, buffers.gram, stream);
     if (comm != nullptr) comm->all_reduce_sum(buffers.gram, block.s * block.s, accumulate, stream);
     gram_polynomial(backend, dtype, block, problem.coefficients[k], buffers, stream);
-    apply_polynomial(backend, dtype, block, problem.coefficients[k].a, buffers.poly_storage, x,
-                     x_next, stream);
+    apply_polynomial(backend, dtype, block, buffers.poly_storage, x, x_next, stream);
     x = x_next;
   }
 }

@@ -146,6 +146,23 @@ class CpuBackend final : public Backend {
     }
   }
 
+  void shift_diagonal(const void* src, shardmuon_dtype src_type, void* dst,
+                      shardmuon_dtype dst_type, int64_t n, double shift, Stream) override {
+    for (int64_t i = 0; i < n; ++i) {
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t index = i * n + j;
+        double value = load(src, src_type, index);
+        // The CUDA kernel adds in float32 for float32 sources.
+        if (i == j) {
+          value = src_type == SHARDMUON_FLOAT64
+                      ? value + shift
+                      : static_cast<double>(static_cast<float>(value) + static_cast<float>(shift));
+        }
+        store(dst, dst_type, index, value);
+      }
+    }
+  }
+
   void convert(const void* src, shardmuon_dtype src_type, void* dst, shardmuon_dtype dst_type,
                int64_t count, Stream) override {
     for (int64_t i = 0; i < count; ++i) store(dst, dst_type, i, load(src, src_type, i));

@@ -115,6 +115,11 @@ class CudaBackend final : public Backend {
 
   void gemm(const GemmCall& call, Stream stream) override { gemm_->run(call, as_cuda(stream)); }
 
+  void shift_diagonal(const void* src, shardmuon_dtype src_type, void* dst,
+                      shardmuon_dtype dst_type, int64_t n, double shift, Stream stream) override {
+    shift_diagonal_cuda(src, src_type, dst, dst_type, n, shift, as_cuda(stream));
+  }
+
   void convert(const void* src, shardmuon_dtype src_type, void* dst, shardmuon_dtype dst_type,
                int64_t count, Stream stream) override {
     convert_cuda(src, src_type, dst, dst_type, count, as_cuda(stream));

@@ -58,6 +58,25 @@ __global__ void convert_kernel(const Source* src, Destination* dst, int64_t coun
   }
 }
 
+// dst = src + shift * I over an n x n matrix, converting float32 -> storage type.
+template <typename Destination>
+__global__ void shift_diagonal_kernel(const float* src, Destination* dst, int64_t n, float shift) {
+  const int64_t count = n * n;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < count;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const float value = src[i] + (i / n == i % n ? shift : 0.0f);
+    dst[i] = from_accumulate<Destination>(value);
+  }
+}
+
+// In place: only the n diagonal entries change.
+__global__ void shift_diagonal_in_place_kernel(float* matrix, int64_t n, float shift) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    matrix[i * n + i] += shift;
+  }
+}
+
 template <typename T>
 size_t transform_reduce(void* scratch, size_t scratch_bytes, const void* x, int64_t count,
                         void* result, cudaStream_t stream) {
@@ -102,6 +121,27 @@ void divide_by_norm_cuda(const void* x, void* y, shardmuon_dtype dtype, int64_t 
         static_cast<const float*>(x), static_cast<float*>(y), count, sum, static_cast<float>(eps));
   }
   check_launch("divide_by_norm_kernel");
+}
+
+void shift_diagonal_cuda(const void* src, shardmuon_dtype src_type, void* dst,
+                         shardmuon_dtype dst_type, int64_t n, double shift, cudaStream_t stream) {
+  if (src_type != SHARDMUON_FLOAT32) {
+    fail(SHARDMUON_ERROR_INTERNAL, "shift_diagonal_cuda takes float32 sources");
+  }
+  const float* source = static_cast<const float*>(src);
+  const float amount = static_cast<float>(shift);
+  if (dst_type == SHARDMUON_FLOAT32 && dst == src) {
+    shift_diagonal_in_place_kernel<<<grid_for(n), kThreads, 0, stream>>>(static_cast<float*>(dst),
+                                                                         n, amount);
+  } else if (dst_type == SHARDMUON_FLOAT32) {
+    shift_diagonal_kernel<<<grid_for(n * n), kThreads, 0, stream>>>(source,
+                                                                    static_cast<float*>(dst), n,
+                                                                    amount);
+  } else {
+    shift_diagonal_kernel<<<grid_for(n * n), kThreads, 0, stream>>>(
+        source, static_cast<__nv_bfloat16*>(dst), n, amount);
+  }
+  check_launch("shift_diagonal_kernel");
 }
 
 void convert_cuda(const void* src, shardmuon_dtype src_type, void* dst, shardmuon_dtype dst_type,

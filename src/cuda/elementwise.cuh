@@ -15,6 +15,8 @@ void sum_of_squares_cuda(const void* x, shardmuon_dtype dtype, int64_t count, vo
                          void* scratch, size_t scratch_bytes, cudaStream_t stream);
 void divide_by_norm_cuda(const void* x, void* y, shardmuon_dtype dtype, int64_t count,
                          const void* sum_of_squares, double eps, cudaStream_t stream);
+void shift_diagonal_cuda(const void* src, shardmuon_dtype src_type, void* dst,
+                         shardmuon_dtype dst_type, int64_t n, double shift, cudaStream_t stream);
 void convert_cuda(const void* src, shardmuon_dtype src_type, void* dst, shardmuon_dtype dst_type,
                   int64_t count, cudaStream_t stream);
 

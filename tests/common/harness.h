@@ -1,0 +1,93 @@
+// The distributed test harness: one process per rank under mpirun, the same tests on the
+// CPU backend (ranks over MPI) or the CUDA backend (one GPU per rank, NCCL). It makes one
+// group for every size 1..max_group_size out of the first ranks of the world, so one
+// launch checks every P. Every test's outcome is agreed across the world (see
+// DistributedTest), so no rank's failure goes unseen and no rank reports alone.
+#pragma once
+
+#include <mpi.h>
+
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "shardmuon/shardmuon.h"
+
+namespace shardmuon_test {
+
+struct Group {
+  int size = 0;
+  bool member = false;  // whether this process is one of the group's ranks
+  int rank = -1;
+  shardmuon_comm_t comm = nullptr;
+  MPI_Comm mpi = MPI_COMM_NULL;  // the same ranks, for the tests' own checks
+};
+
+// Memory in the backend's space (host for CPU, device for CUDA).
+class Buffer {
+ public:
+  Buffer() = default;
+  Buffer(size_t bytes, bool on_device);
+  ~Buffer();
+  Buffer(Buffer&& other) noexcept;
+  Buffer& operator=(Buffer&& other) noexcept;
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+
+  void* data() const { return data_; }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  void* data_ = nullptr;
+  size_t bytes_ = 0;
+  bool on_device_ = false;
+};
+
+class Harness {
+ public:
+  static void initialize(shardmuon_backend backend);
+  static void shutdown();
+  static Harness& get();
+
+  shardmuon_backend backend() const { return backend_; }
+  bool on_gpu() const { return backend_ == SHARDMUON_BACKEND_CUDA; }
+  int world_rank() const { return world_rank_; }
+  int world_size() const { return world_size_; }
+  int max_group_size() const { return static_cast<int>(groups_.size()); }
+  const Group& group(int size) const { return groups_.at(size - 1); }
+  shardmuon_context_t context() const { return context_; }
+  void* stream() const { return stream_; }
+
+  // Copies to and from the backend's memory; waits for the stream first.
+  Buffer upload(const std::vector<unsigned char>& bytes) const;
+  std::vector<unsigned char> download(const Buffer& buffer) const;
+  void synchronize() const;
+
+ private:
+  shardmuon_backend backend_ = SHARDMUON_BACKEND_CPU;
+  int world_rank_ = 0, world_size_ = 1;
+  shardmuon_context_t context_ = nullptr;
+  void* stream_ = nullptr;
+  void* nccl_world_ = nullptr;
+  std::vector<void*> nccl_groups_;
+  std::vector<Group> groups_;
+};
+
+// Base of every test: after the body, the world agrees on the outcome, so a failure on any
+// rank fails the test on every rank (and rank 0's summary counts it).
+class DistributedTest : public ::testing::Test {
+ protected:
+  void TearDown() override;
+};
+
+// sqrt(sum (x - ref)^2 / sum ref^2) over the group's shards.
+double group_relative_error(const std::vector<double>& x, const std::vector<double>& reference,
+                            MPI_Comm group);
+// The largest value of v over the group.
+double group_max(double v, MPI_Comm group);
+bool group_all(bool v, MPI_Comm group);
+
+}  // namespace shardmuon_test

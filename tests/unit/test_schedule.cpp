@@ -1,0 +1,92 @@
+// The coefficient schedules against DESIGN.md's tables and their cycle / repeat-last rules,
+// schedule names, and the plans the library reports.
+#include <gtest/gtest.h>
+
+#include "../common/harness.h"
+#include "../common/reference.h"
+
+namespace shardmuon_test {
+namespace {
+
+class Schedules : public DistributedTest {};
+
+TEST_F(Schedules, TablesAndRulesMatchTheDesign) {
+  for (shardmuon_schedule schedule :
+       {SHARDMUON_SCHEDULE_SIMPLE, SHARDMUON_SCHEDULE_QUINTIC, SHARDMUON_SCHEDULE_POLAR_EXPRESS,
+        SHARDMUON_SCHEDULE_CANS, SHARDMUON_SCHEDULE_AOL}) {
+    const std::vector<Triple> expected = coefficients_for(schedule, 20);
+    for (int k = 0; k < 20; ++k) {
+      double a, b, c;
+      ASSERT_EQ(shardmuon_schedule_coefficients(schedule, k, nullptr, &a, &b, &c),
+                SHARDMUON_SUCCESS);
+      EXPECT_EQ(a, expected[k].a) << "schedule " << schedule << " iteration " << k;
+      EXPECT_EQ(b, expected[k].b) << "schedule " << schedule << " iteration " << k;
+      EXPECT_EQ(c, expected[k].c) << "schedule " << schedule << " iteration " << k;
+    }
+  }
+  // Spot checks of the rules themselves: quintic cycles after 5, polar_express repeats its 8th.
+  double a, b, c;
+  shardmuon_schedule_coefficients(SHARDMUON_SCHEDULE_QUINTIC, 5, nullptr, &a, &b, &c);
+  EXPECT_EQ(a, 4.0848);
+  shardmuon_schedule_coefficients(SHARDMUON_SCHEDULE_POLAR_EXPRESS, 11, nullptr, &a, &b, &c);
+  EXPECT_EQ(a, 1.8750);
+  EXPECT_EQ(c, 0.3750);
+}
+
+TEST_F(Schedules, CustomCoefficientsAndNames) {
+  const double triples[] = {1, 2, 3, 4, 5, 6};
+  shardmuon_ns_options options;
+  shardmuon_ns_options_default(&options);
+  EXPECT_EQ(options.num_iterations, 5);
+  EXPECT_EQ(options.schedule, SHARDMUON_SCHEDULE_QUINTIC);
+  EXPECT_EQ(options.eps, 1e-7);
+  options.schedule = SHARDMUON_SCHEDULE_CUSTOM;
+  options.num_iterations = 2;
+  options.custom_coefficients = triples;
+  options.num_custom_coefficients = 2;
+  double a, b, c;
+  ASSERT_EQ(shardmuon_schedule_coefficients(SHARDMUON_SCHEDULE_CUSTOM, 1, &options, &a, &b, &c),
+            SHARDMUON_SUCCESS);
+  EXPECT_EQ(a, 4);
+  EXPECT_EQ(c, 6);
+  EXPECT_EQ(shardmuon_schedule_coefficients(SHARDMUON_SCHEDULE_CUSTOM, 2, &options, &a, &b, &c),
+            SHARDMUON_ERROR_INVALID_ARGUMENT);
+
+  const char* names[] = {"simple", "quintic", "polar_express", "cans", "aol", "custom"};
+  for (int s = 0; s < 6; ++s) {
+    shardmuon_schedule parsed;
+    ASSERT_EQ(shardmuon_schedule_from_name(names[s], &parsed), SHARDMUON_SUCCESS) << names[s];
+    EXPECT_EQ(parsed, s);
+  }
+}
+
+TEST_F(Schedules, PlansFollowTheLayout) {
+  shardmuon_ns_options options;
+  shardmuon_ns_options_default(&options);
+  auto plan = [&](int64_t rows, int64_t cols, shardmuon_partition partition, int ranks,
+                  shardmuon_ns_algorithm requested) {
+    shardmuon_layout layout{rows, cols, partition, ranks, nullptr};
+    options.algorithm = requested;
+    shardmuon_ns_algorithm chosen;
+    EXPECT_EQ(shardmuon_ns_plan(&layout, ranks, &options, &chosen), SHARDMUON_SUCCESS)
+        << shardmuon_last_error();
+    return chosen;
+  };
+  // Wide matrix: the long side is the columns.
+  EXPECT_EQ(plan(64, 257, SHARDMUON_SHARDED_DIM1, 2, SHARDMUON_NS_AUTO), SHARDMUON_NS_GRAM_ALLREDUCE);
+  EXPECT_EQ(plan(64, 257, SHARDMUON_SHARDED_DIM0, 2, SHARDMUON_NS_AUTO),
+            SHARDMUON_NS_GRAM_ALLREDUCE_REDISTRIBUTED);
+  // Tall matrix: the long side is the rows.
+  EXPECT_EQ(plan(257, 64, SHARDMUON_SHARDED_DIM0, 3, SHARDMUON_NS_AUTO), SHARDMUON_NS_GRAM_ALLREDUCE);
+  EXPECT_EQ(plan(257, 64, SHARDMUON_SHARDED_DIM1, 3, SHARDMUON_NS_AUTO),
+            SHARDMUON_NS_GRAM_ALLREDUCE_REDISTRIBUTED);
+  // Square: whichever dim is sharded is treated as the long side.
+  EXPECT_EQ(plan(61, 61, SHARDMUON_SHARDED_DIM0, 2, SHARDMUON_NS_AUTO), SHARDMUON_NS_GRAM_ALLREDUCE);
+  EXPECT_EQ(plan(61, 61, SHARDMUON_SHARDED_DIM1, 2, SHARDMUON_NS_AUTO), SHARDMUON_NS_GRAM_ALLREDUCE);
+  EXPECT_EQ(plan(64, 257, SHARDMUON_SHARDED_DIM0, 2, SHARDMUON_NS_DUPLICATED), SHARDMUON_NS_DUPLICATED);
+  EXPECT_EQ(plan(64, 257, SHARDMUON_REPLICATED, 4, SHARDMUON_NS_AUTO), SHARDMUON_NS_LOCAL);
+  EXPECT_EQ(plan(64, 257, SHARDMUON_SHARDED_DIM1, 1, SHARDMUON_NS_DUPLICATED), SHARDMUON_NS_LOCAL);
+}
+
+}  // namespace
+}  // namespace shardmuon_test
