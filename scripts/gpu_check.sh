@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The GPU checks, for the lent H200 machines (CI has no GPU): builds with CUDA and NCCL, runs
+# the distributed tests with --backend=cuda on 1 and on 2 GPUs (every case against the
+# float64 CPU oracle), then times the example. Logs go to $OUT (or ./gpu-logs).
+set -uo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$root"
+out="${OUT:-$root/gpu-logs}"
+mkdir -p "$out"
+# Never use NVLink multicast on the shared machines (shared/DEVICE.md).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PATH="/opt/torch/.venv/bin:$PATH:/usr/local/cuda/bin" OPENBLAS_NUM_THREADS=1
+mpi=(mpirun --allow-run-as-root --oversubscribe -x NCCL_NVLS_ENABLE -x TORCH_SYMM_MEM_DISABLE_MULTICAST
+     -x NVSHMEM_DISABLE_NVLS -x OPENBLAS_NUM_THREADS)
+gpus=$(nvidia-smi -L | wc -l)
+nvidia-smi -L
+echo "gpus: $gpus"
+
+build=build-gpu
+cmake -S . -B $build -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 \
+  -DSHARDMUON_WARNINGS_AS_ERRORS=ON >"$out/configure.log" 2>&1 || { tail -30 "$out/configure.log"; exit 1; }
+start=$(date +%s)
+cmake --build $build --parallel "$(nproc)" >"$out/build.log" 2>&1 || { grep -E "error" -A5 "$out/build.log" | head -60; exit 1; }
+echo "build: $(( $(date +%s) - start )) s"
+
+results=()
+for ranks in 1 $([[ $gpus -ge 2 ]] && echo 2); do
+  log="$out/gpu_tests_np$ranks.log"
+  timeout 400 "${mpi[@]}" -np $ranks $build/tests/shardmuon_tests --backend=cuda --gtest_brief=1 >"$log" 2>&1
+  rc=$?
+  grep -E "^\[rank|Failure|FAILED" "$log" | head -40
+  results+=("cuda tests on $ranks GPU(s): rc=$rc $(grep -E 'PASSED|FAILED  \]|SKIPPED \]' "$log" | sed 's/\x1b\[[0-9;]*m//g' | tr '\n' ' ')")
+done
+
+# The example: error against the float64 reference at a checkable size, then timings.
+example=$build/examples/orthogonalize_sharded
+for ranks in 1 $([[ $gpus -ge 2 ]] && echo 2); do
+  for dtype in f32 bf16; do
+    "${mpi[@]}" -np $ranks $example --rows 1024 --cols 3000 --dtype $dtype --dim 1 2>&1 | tee -a "$out/example.log" | grep -E "error|time"
+  done
+done
+for shape in "8192 28672" "4096 14336" "14336 4096" "8192 8192"; do
+  set -- $shape
+  for ranks in 1 $([[ $gpus -ge 2 ]] && echo 2); do
+    for dim in 0 1; do
+      [[ $ranks -eq 1 && $dim -eq 0 ]] && continue
+      line=$("${mpi[@]}" -np $ranks $example --rows $1 --cols $2 --dtype bf16 --dim $dim --check 0 --repeats 10 2>&1 | tee -a "$out/example.log")
+      results+=("example ${1}x${2} bf16 dim$dim on $ranks GPU(s): $(echo "$line" | grep -E "time|algorithm" | sed 's/^ *//' | tr '\n' ' ')")
+    done
+  done
+done
+
+echo
+echo "== summary"
+for line in "${results[@]}"; do echo "$line"; done

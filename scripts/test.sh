@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Installs what is missing, builds, and runs every test that this machine can run: the
+# distributed tests on 1-4 CPU ranks over MPI, in the full build and in a build without
+# CUDA (which checks the "not built" errors). GPU tests: scripts/gpu_check.sh.
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+"$root/scripts/install_deps.sh"
+
+export OPENBLAS_NUM_THREADS=1
+status=0
+summary=()
+run_suite() {  # name, build dir, extra cmake args...
+  local name="$1" dir="$2"
+  shift 2
+  SHARDMUON_BUILD_DIR="$dir" "$root/scripts/build.sh" "$@"
+  echo "== $name"
+  local log="$dir.ctest.log"
+  if (cd "$dir" && ctest --output-on-failure 2>&1 | tee "$log"); then :; else status=1; fi
+  summary+=("$name: $(grep -E 'tests passed|tests failed' "$log" | tail -1)")
+}
+
+run_suite "full build" "$root/build"
+run_suite "build without CUDA" "$root/build-nocuda" -DSHARDMUON_WITH_CUDA=OFF
+
+echo
+echo "shardmuon test summary"
+for line in "${summary[@]}"; do echo "  $line"; done
+exit $status
