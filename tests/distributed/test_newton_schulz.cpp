@@ -114,8 +114,8 @@ TEST_P(NewtonSchulzLayouts, MatchesGatheredReference) {
   REQUIRE_GROUP(c.group_size);
   const Matrix input = input_for(c.shape, c.dtype);
   const auto coefficients = coefficients_for(SHARDMUON_SCHEDULE_QUINTIC, 5);
-  const Matrix& reference =
-      cached_reference(shape_key(c.shape, c.dtype, "quintic5"), input, coefficients, kEps);
+  const std::string key = shape_key(c.shape, c.dtype, "quintic5");
+  const Matrix& reference = cached_reference(key, input, coefficients, kEps);
   const int64_t extent = c.partition == SHARDMUON_SHARDED_DIM0 ? c.shape.rows : c.shape.cols;
   const std::vector<int64_t> sizes = pattern_sizes(c.pattern, extent, c.group_size);
 
@@ -216,8 +216,8 @@ TEST_P(NewtonSchulzSchedules, MatchesGatheredReference) {
   } else {
     coefficients = coefficients_for(c.schedule, c.iterations);
   }
-  const Matrix& reference = cached_reference(
-      shape_key(shape, c.dtype, schedule_case_name({c, 0})), input, coefficients, kEps);
+  const std::string key = shape_key(shape, c.dtype, schedule_case_name({c, 0}));
+  const Matrix& reference = cached_reference(key, input, coefficients, kEps);
   const int64_t extent = c.partition == SHARDMUON_SHARDED_DIM0 ? shape.rows : shape.cols;
   const std::vector<int64_t> sizes = uneven_sizes(extent, c.group_size);
 
