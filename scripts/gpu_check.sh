@@ -10,8 +10,10 @@ mkdir -p "$out"
 # Never use NVLink multicast on the shared machines (shared/DEVICE.md).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PATH="/opt/torch/.venv/bin:$PATH:/usr/local/cuda/bin" OPENBLAS_NUM_THREADS=1
+export SHARDMUON_TEST_REPORT_ERRORS=1  # the tests print each case's error and tolerance
 mpi=(mpirun --allow-run-as-root --oversubscribe -x NCCL_NVLS_ENABLE -x TORCH_SYMM_MEM_DISABLE_MULTICAST
-     -x NVSHMEM_DISABLE_NVLS -x OPENBLAS_NUM_THREADS)
+     -x NVSHMEM_DISABLE_NVLS -x OPENBLAS_NUM_THREADS -x SHARDMUON_TEST_REPORT_ERRORS)
+what="${1:-all}"  # all | tests
 gpus=$(nvidia-smi -L | wc -l)
 nvidia-smi -L
 echo "gpus: $gpus"
@@ -30,7 +32,12 @@ for ranks in 1 $([[ $gpus -ge 2 ]] && echo 2); do
   rc=$?
   grep -E "^\[rank|Failure|FAILED" "$log" | head -40
   results+=("cuda tests on $ranks GPU(s): rc=$rc $(grep -E 'PASSED|FAILED  \]|SKIPPED \]' "$log" | sed 's/\x1b\[[0-9;]*m//g' | tr '\n' ' ')")
+  results+=("  largest error/tolerance: $(grep -o 'ratio=[0-9.]*' "$log" | sort -t= -k2 -g | tail -1) over $(grep -c 'ratio=' "$log") checked cases")
 done
+if [[ "$what" == "tests" ]]; then
+  printf '%s\n' "${results[@]}"
+  exit 0
+fi
 
 # The example: error against the float64 reference at a checkable size, then timings.
 example=$build/examples/orthogonalize_sharded
