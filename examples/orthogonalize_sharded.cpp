@@ -40,16 +40,26 @@ Options parse(int argc, char** argv) {
   Options o;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string key = argv[i], value = argv[i + 1];
-    if (key == "--rows") o.rows = std::atoll(value.c_str());
-    else if (key == "--cols") o.cols = std::atoll(value.c_str());
-    else if (key == "--dim") o.dim = std::atoi(value.c_str());
-    else if (key == "--dtype") o.dtype = value;
-    else if (key == "--schedule") o.schedule = value;
-    else if (key == "--iterations") o.iterations = std::atoi(value.c_str());
-    else if (key == "--algorithm") o.algorithm = value;
-    else if (key == "--backend") o.backend = value;
-    else if (key == "--repeats") o.repeats = std::atoi(value.c_str());
-    else if (key == "--check") o.check = value != "0";
+    if (key == "--rows")
+      o.rows = std::atoll(value.c_str());
+    else if (key == "--cols")
+      o.cols = std::atoll(value.c_str());
+    else if (key == "--dim")
+      o.dim = std::atoi(value.c_str());
+    else if (key == "--dtype")
+      o.dtype = value;
+    else if (key == "--schedule")
+      o.schedule = value;
+    else if (key == "--iterations")
+      o.iterations = std::atoi(value.c_str());
+    else if (key == "--algorithm")
+      o.algorithm = value;
+    else if (key == "--backend")
+      o.backend = value;
+    else if (key == "--repeats")
+      o.repeats = std::atoi(value.c_str());
+    else if (key == "--check")
+      o.check = value != "0";
     else {
       std::fprintf(stderr, "unknown option %s\n", key.c_str());
       std::exit(2);
@@ -128,7 +138,8 @@ int main(int argc, char** argv) {
       if (rank == 0) ncclGetUniqueId(&id);
       MPI_Bcast(&id, sizeof id, MPI_BYTE, 0, MPI_COMM_WORLD);
       ncclComm_t nccl = nullptr;
-      if (ncclCommInitRank(&nccl, ranks, id, rank) != ncclSuccess) throw std::runtime_error("NCCL init");
+      if (ncclCommInitRank(&nccl, ranks, id, rank) != ncclSuccess)
+        throw std::runtime_error("NCCL init");
       {
         shardmuon::Context context(SHARDMUON_BACKEND_CUDA, rank % devices);
         shardmuon::Comm comm = shardmuon::Comm::nccl(nccl);
@@ -193,10 +204,12 @@ int main(int argc, char** argv) {
         }
         MPI_Barrier(MPI_COMM_WORLD);
         const auto start = std::chrono::steady_clock::now();
-        shardmuon::newton_schulz(context, comm, bf16 ? static_cast<void*>(bits.data()) : work.data(),
-                                 dtype, layout, options);
+        shardmuon::newton_schulz(context, comm,
+                                 bf16 ? static_cast<void*>(bits.data()) : work.data(), dtype,
+                                 layout, options);
         const auto stop = std::chrono::steady_clock::now();
-        if (repeat >= 0) times_ms.push_back(std::chrono::duration<double, std::milli>(stop - start).count());
+        if (repeat >= 0)
+          times_ms.push_back(std::chrono::duration<double, std::milli>(stop - start).count());
         if (bf16) {
           for (size_t i = 0; i < shard.size(); ++i) {
             const uint32_t b = static_cast<uint32_t>(bits[i]) << 16;
@@ -228,7 +241,8 @@ int main(int argc, char** argv) {
           const int64_t row = o.dim == 0 ? i / o.cols : i / sizes[r];
           const int64_t col = o.dim == 0 ? i % o.cols : first + i % sizes[r];
           const int64_t base = o.dim == 0 ? displacements[r] / o.cols : 0;
-          ours[static_cast<size_t>((row + base) * o.cols + col)] = gathered[static_cast<size_t>(displacements[r] + i)];
+          ours[static_cast<size_t>((row + base) * o.cols + col)] =
+              gathered[static_cast<size_t>(displacements[r] + i)];
         }
         if (o.dim == 1) first += static_cast<int>(sizes[r]);
       }
@@ -247,16 +261,21 @@ int main(int argc, char** argv) {
       const double s = static_cast<double>(std::min(o.rows, o.cols));
       const double l = static_cast<double>(std::max(o.rows, o.cols));
       const double flops = o.iterations * (4 * s * s * l + 2 * s * s * s);
-      const char* plan_name = plan == SHARDMUON_NS_LOCAL                        ? "local"
-                              : plan == SHARDMUON_NS_DUPLICATED                 ? "duplicated (all-gather)"
-                              : plan == SHARDMUON_NS_GRAM_ALLREDUCE             ? "gram all-reduce"
-                                                                               : "all-to-all + gram all-reduce";
-      std::printf("shardmuon: Newton-Schulz of a %lld x %lld %s matrix sharded along dim %d over %d %s rank(s)\n",
-                  static_cast<long long>(o.rows), static_cast<long long>(o.cols), o.dtype.c_str(),
-                  o.dim, ranks, on_gpu ? "GPU" : "CPU");
-      std::printf("  schedule %s, %d iterations, algorithm: %s\n", o.schedule.c_str(), o.iterations, plan_name);
-      std::printf("  time (median of %d): %.3f ms, %.2f TFLOP/s of useful flops (K(4s^2L + 2s^3))\n",
-                  o.repeats, median_ms, flops / (median_ms * 1e-3) / 1e12);
+      const char* plan_name = plan == SHARDMUON_NS_LOCAL        ? "local"
+                              : plan == SHARDMUON_NS_DUPLICATED ? "duplicated (all-gather)"
+                              : plan == SHARDMUON_NS_GRAM_ALLREDUCE
+                                  ? "gram all-reduce"
+                                  : "all-to-all + gram all-reduce";
+      std::printf(
+          "shardmuon: Newton-Schulz of a %lld x %lld %s matrix sharded along dim %d over %d %s "
+          "rank(s)\n",
+          static_cast<long long>(o.rows), static_cast<long long>(o.cols), o.dtype.c_str(), o.dim,
+          ranks, on_gpu ? "GPU" : "CPU");
+      std::printf("  schedule %s, %d iterations, algorithm: %s\n", o.schedule.c_str(), o.iterations,
+                  plan_name);
+      std::printf(
+          "  time (median of %d): %.3f ms, %.2f TFLOP/s of useful flops (K(4s^2L + 2s^3))\n",
+          o.repeats, median_ms, flops / (median_ms * 1e-3) / 1e12);
       if (o.check) {
         std::printf("  relative error against the float64 reference of the gathered matrix: %.3e\n",
                     std::sqrt(diff / norm));

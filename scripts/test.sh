@@ -16,7 +16,14 @@ run_suite() {  # name, build dir, extra cmake args...
   echo "== $name"
   local log="$dir.ctest.log"
   if (cd "$dir" && ctest --output-on-failure 2>&1 | tee "$log"); then :; else status=1; fi
-  summary+=("$name: $(grep -E 'tests passed|tests failed' "$log" | tail -1)")
+  # ctest counts launches (one per world size); the gtest cases inside them are summed here.
+  local cases
+  cases=$(sed 's/\x1b\[[0-9;]*m//g' "$dir/Testing/Temporary/LastTest.log" | awk '
+    /^\[  PASSED  \] [0-9]+ test/ {passed += $4}
+    /^\[  SKIPPED \] [0-9]+ test/ {skipped += $4}
+    /^\[  FAILED  \] [0-9]+ test/ {failed += $4}
+    END {printf "%d cases passed, %d failed, %d skipped (they need more ranks or a GPU)", passed, failed, skipped}')
+  summary+=("$name: $(grep -E 'tests passed|tests failed' "$log" | tail -1); $cases")
 }
 
 run_suite "full build" "$root/build"

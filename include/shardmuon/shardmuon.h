@@ -225,12 +225,9 @@ SHARDMUON_API shardmuon_status shardmuon_comm_size(shardmuon_comm_t comm, int* s
  * arguments; if one rank's arguments are invalid, or the ranks disagree, every rank returns
  * an error (INVALID_ARGUMENT on the rank at fault, PEER_FAILED or RANK_MISMATCH on the others)
  * and no rank's shard is modified. */
-SHARDMUON_API shardmuon_status shardmuon_newton_schulz(shardmuon_context_t context,
-                                                       shardmuon_comm_t comm, void* local_shard,
-                                                       shardmuon_dtype dtype,
-                                                       const shardmuon_layout* layout,
-                                                       const shardmuon_ns_options* options,
-                                                       void* stream);
+SHARDMUON_API shardmuon_status shardmuon_newton_schulz(
+    shardmuon_context_t context, shardmuon_comm_t comm, void* local_shard, shardmuon_dtype dtype,
+    const shardmuon_layout* layout, const shardmuon_ns_options* options, void* stream);
 
 /* The algorithm shardmuon_newton_schulz would run for these arguments on a group of
  * comm_size ranks: AUTO resolved, and LOCAL or GRAM_ALLREDUCE_REDISTRIBUTED where they

@@ -45,7 +45,9 @@ class Context {
 
  private:
   struct Destroy {
-    void operator()(shardmuon_context_t handle) const noexcept { shardmuon_context_destroy(handle); }
+    void operator()(shardmuon_context_t handle) const noexcept {
+      shardmuon_context_destroy(handle);
+    }
   };
   std::unique_ptr<shardmuon_context_s, Destroy> handle_;
 };
@@ -96,9 +98,12 @@ struct Layout {
   shardmuon_partition partition = SHARDMUON_REPLICATED;
   std::vector<int64_t> shard_sizes;  // empty: balanced split over the communicator
 
-  static Layout replicated(int64_t rows, int64_t cols) { return {rows, cols, SHARDMUON_REPLICATED, {}}; }
+  static Layout replicated(int64_t rows, int64_t cols) {
+    return {rows, cols, SHARDMUON_REPLICATED, {}};
+  }
   static Layout sharded(int64_t rows, int64_t cols, int dim, std::vector<int64_t> sizes) {
-    return {rows, cols, dim == 0 ? SHARDMUON_SHARDED_DIM0 : SHARDMUON_SHARDED_DIM1, std::move(sizes)};
+    return {rows, cols, dim == 0 ? SHARDMUON_SHARDED_DIM0 : SHARDMUON_SHARDED_DIM1,
+            std::move(sizes)};
   }
 
   shardmuon_layout view(int num_shards) const {

@@ -85,8 +85,12 @@ ValidatedNsCall validate_ns_call(shardmuon_context_t context, Communicator& comm
 
 }  // namespace
 
-void set_last_error(const std::string& message) { last_error_message = message; }
-void clear_last_error() { last_error_message.clear(); }
+void set_last_error(const std::string& message) {
+  last_error_message = message;
+}
+void clear_last_error() {
+  last_error_message.clear();
+}
 
 Backend& backend_of(shardmuon_context_t context, const char* name) {
   SHARDMUON_CHECK_ARG(context != nullptr, name, " is NULL");
@@ -120,7 +124,9 @@ using shardmuon::create_comm;
 
 extern "C" {
 
-const char* shardmuon_last_error(void) { return shardmuon::last_error_message.c_str(); }
+const char* shardmuon_last_error(void) {
+  return shardmuon::last_error_message.c_str();
+}
 
 const char* shardmuon_status_name(shardmuon_status status) {
   switch (status) {
@@ -205,8 +211,8 @@ shardmuon_status shardmuon_schedule_coefficients(shardmuon_schedule schedule, in
                                                  double* b, double* c) {
   return api_guard(__func__, [&] {
     SHARDMUON_CHECK_ARG(a && b && c, "a, b and c must not be NULL");
-    SHARDMUON_CHECK_ARG(shardmuon::is_valid_schedule(schedule), "schedule is unknown: ",
-                        static_cast<int>(schedule));
+    SHARDMUON_CHECK_ARG(shardmuon::is_valid_schedule(schedule),
+                        "schedule is unknown: ", static_cast<int>(schedule));
     SHARDMUON_CHECK_ARG(iteration >= 0, "iteration must be >= 0, got ", iteration);
     shardmuon::Coefficients k;
     if (schedule == SHARDMUON_SCHEDULE_CUSTOM) {
@@ -232,10 +238,12 @@ shardmuon_status shardmuon_context_create(shardmuon_backend backend, int cuda_de
     auto handle = std::make_unique<shardmuon_context_s>();
     switch (backend) {
       case SHARDMUON_BACKEND_CPU: handle->backend = shardmuon::make_cpu_backend(); break;
-      case SHARDMUON_BACKEND_CUDA: handle->backend = shardmuon::make_cuda_backend(cuda_device); break;
+      case SHARDMUON_BACKEND_CUDA:
+        handle->backend = shardmuon::make_cuda_backend(cuda_device);
+        break;
       default:
-        shardmuon::fail(SHARDMUON_ERROR_INVALID_ARGUMENT, "backend is unknown: ",
-                        static_cast<int>(backend));
+        shardmuon::fail(SHARDMUON_ERROR_INVALID_ARGUMENT,
+                        "backend is unknown: ", static_cast<int>(backend));
     }
     *context = handle.release();
   });

@@ -18,8 +18,8 @@ namespace {
 
 void check_nccl(ncclResult_t code, const char* what) {
   if (code == ncclSuccess) return;
-  fail(SHARDMUON_ERROR_NCCL, what, " failed: ", ncclGetErrorString(code),
-       " (", ncclGetLastError(nullptr), ")");
+  fail(SHARDMUON_ERROR_NCCL, what, " failed: ", ncclGetErrorString(code), " (",
+       ncclGetLastError(nullptr), ")");
 }
 
 #define SHARDMUON_NCCL(call) check_nccl((call), #call)
@@ -101,8 +101,8 @@ class NcclCommunicator final : public Communicator {
     cudaStream_t stream = check_stream_.get();
     std::copy(values, values + count, host);
     SHARDMUON_CUDA(cudaMemcpyAsync(device, host, bytes, cudaMemcpyHostToDevice, stream));
-    SHARDMUON_NCCL(ncclAllReduce(device, device, count, ncclInt64, ncclMax, check_comm_.get(),
-                                 stream));
+    SHARDMUON_NCCL(
+        ncclAllReduce(device, device, count, ncclInt64, ncclMax, check_comm_.get(), stream));
     SHARDMUON_CUDA(cudaMemcpyAsync(host, device, bytes, cudaMemcpyDeviceToHost, stream));
     SHARDMUON_CUDA(cudaStreamSynchronize(stream));
     std::copy(host, host + count, values);

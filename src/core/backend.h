@@ -75,8 +75,7 @@ class Backend {
   // dst = src + shift * I for an n x n matrix, converted from src_type to dst_type (rounded
   // once, to nearest even). src and dst may be the same buffer when the types are equal.
   virtual void shift_diagonal(const void* src, shardmuon_dtype src_type, void* dst,
-                              shardmuon_dtype dst_type, int64_t n, double shift,
-                              Stream stream) = 0;
+                              shardmuon_dtype dst_type, int64_t n, double shift, Stream stream) = 0;
   // dst[i] = src[i] converted (float32 -> bfloat16 rounds to nearest even).
   virtual void convert(const void* src, shardmuon_dtype src_type, void* dst,
                        shardmuon_dtype dst_type, int64_t count, Stream stream) = 0;

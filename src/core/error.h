@@ -36,8 +36,8 @@ template <typename... Parts>
 }
 
 // Throws INVALID_ARGUMENT with the message when the condition does not hold.
-#define SHARDMUON_CHECK_ARG(condition, ...)                                   \
-  do {                                                                         \
+#define SHARDMUON_CHECK_ARG(condition, ...)                                             \
+  do {                                                                                  \
     if (!(condition)) ::shardmuon::fail(SHARDMUON_ERROR_INVALID_ARGUMENT, __VA_ARGS__); \
   } while (0)
 

@@ -9,7 +9,9 @@
 namespace shardmuon {
 namespace {
 
-char* byte_offset(void* base, int64_t bytes) { return static_cast<char*>(base) + bytes; }
+char* byte_offset(void* base, int64_t bytes) {
+  return static_cast<char*>(base) + bytes;
+}
 const char* byte_offset(const void* base, int64_t bytes) {
   return static_cast<const char*>(base) + bytes;
 }
@@ -211,8 +213,7 @@ void iterate_on_block(Backend& backend, Communicator* comm, const NsProblem& pro
   }
 }
 
-void run_on_whole_matrix(Backend& backend, const NsProblem& problem, void* matrix,
-                         Stream stream) {
+void run_on_whole_matrix(Backend& backend, const NsProblem& problem, void* matrix, Stream stream) {
   const ShardLayout& layout = problem.layout;
   const WideBlock block = WideBlock::of(layout, layout.rows(), layout.cols());
   WorkspaceCarver carver;
@@ -316,8 +317,8 @@ void exchange_blocks(Backend& backend, Communicator& comm, size_t element, const
     send_offsets[r] = send_total;
     if (send_bytes[r] > 0) {
       backend.copy_2d(stage_send + send_total, out.cols * element,
-                      byte_offset(src, (out.row0 * src_ld + out.col0) * element),
-                      src_ld * element, out.cols * element, out.rows, stream);
+                      byte_offset(src, (out.row0 * src_ld + out.col0) * element), src_ld * element,
+                      out.cols * element, out.rows, stream);
     }
     send_total += send_bytes[r];
     recv_bytes[r] = recv_blocks[r].elements() * element;
@@ -369,8 +370,7 @@ void run_redistributed(Backend& backend, Communicator& comm, const NsProblem& pr
   const int64_t target_cols = source_dim == 0 ? target_sizes[rank] : layout.cols();
   const int64_t target_ld = target_cols;
   const WideBlock block = WideBlock::of(layout, target_rows, target_cols);
-  const int64_t staged_elements =
-      std::max(layout.local_elements(rank), target_rows * target_cols);
+  const int64_t staged_elements = std::max(layout.local_elements(rank), target_rows * target_cols);
 
   WorkspaceCarver carver;
   const size_t target_slot = carver.reserve(target_rows * target_cols * element);

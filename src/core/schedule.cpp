@@ -73,15 +73,15 @@ const char* schedule_name(int schedule) {
 }
 
 void validate_ns_options(const shardmuon_ns_options& options) {
-  SHARDMUON_CHECK_ARG(options.num_iterations >= 1,
-                      "options->num_iterations must be >= 1, got ", options.num_iterations);
-  SHARDMUON_CHECK_ARG(is_valid_schedule(options.schedule), "options->schedule is unknown: ",
-                      static_cast<int>(options.schedule));
+  SHARDMUON_CHECK_ARG(options.num_iterations >= 1, "options->num_iterations must be >= 1, got ",
+                      options.num_iterations);
+  SHARDMUON_CHECK_ARG(is_valid_schedule(options.schedule),
+                      "options->schedule is unknown: ", static_cast<int>(options.schedule));
   SHARDMUON_CHECK_ARG(std::isfinite(options.eps) && options.eps >= 0,
                       "options->eps must be finite and >= 0, got ", options.eps);
-  SHARDMUON_CHECK_ARG(options.algorithm >= SHARDMUON_NS_AUTO &&
-                          options.algorithm <= SHARDMUON_NS_GRAM_ALLREDUCE,
-                      "options->algorithm is unknown: ", static_cast<int>(options.algorithm));
+  SHARDMUON_CHECK_ARG(
+      options.algorithm >= SHARDMUON_NS_AUTO && options.algorithm <= SHARDMUON_NS_GRAM_ALLREDUCE,
+      "options->algorithm is unknown: ", static_cast<int>(options.algorithm));
   if (options.schedule == SHARDMUON_SCHEDULE_CUSTOM) {
     SHARDMUON_CHECK_ARG(options.custom_coefficients != nullptr,
                         "options->custom_coefficients is NULL for the custom schedule");
@@ -91,8 +91,8 @@ void validate_ns_options(const shardmuon_ns_options& options) {
                         options.num_custom_coefficients);
     for (int i = 0; i < 3 * options.num_custom_coefficients; ++i) {
       SHARDMUON_CHECK_ARG(std::isfinite(options.custom_coefficients[i]),
-                          "options->custom_coefficients[", i, "] is not finite: ",
-                          options.custom_coefficients[i]);
+                          "options->custom_coefficients[", i,
+                          "] is not finite: ", options.custom_coefficients[i]);
     }
   }
 }

@@ -50,7 +50,9 @@ blasint blas_dimension(int64_t value) {
 }
 
 // Elements a column-major operand of `columns` columns with leading dimension ld spans.
-int64_t span(int64_t ld, int64_t columns) { return columns == 0 ? 0 : ld * columns; }
+int64_t span(int64_t ld, int64_t columns) {
+  return columns == 0 ? 0 : ld * columns;
+}
 
 class CpuBackend final : public Backend {
  public:
@@ -64,7 +66,8 @@ class CpuBackend final : public Backend {
     if (bytes > workspace_bytes_) {
       const size_t rounded = (bytes + kAlignment - 1) / kAlignment * kAlignment;
       void* pointer = std::aligned_alloc(kAlignment, rounded);
-      if (pointer == nullptr) fail(SHARDMUON_ERROR_OUT_OF_MEMORY, "workspace of ", rounded, " bytes");
+      if (pointer == nullptr)
+        fail(SHARDMUON_ERROR_OUT_OF_MEMORY, "workspace of ", rounded, " bytes");
       workspace_.reset(pointer);
       workspace_bytes_ = rounded;
     }
@@ -92,8 +95,9 @@ class CpuBackend final : public Backend {
       const double norm = std::max(std::sqrt(load(sum_of_squares, accumulate, 0)), eps);
       scale = norm > 0 ? 1.0 / norm : 0.0;
     } else {  // the CUDA kernel's float32 arithmetic
-      const float norm = std::max(std::sqrt(static_cast<float>(load(sum_of_squares, accumulate, 0))),
-                                  static_cast<float>(eps));
+      const float norm =
+          std::max(std::sqrt(static_cast<float>(load(sum_of_squares, accumulate, 0))),
+                   static_cast<float>(eps));
       scale = norm > 0 ? 1.0f / norm : 0.0f;
     }
     for (int64_t i = 0; i < count; ++i) {
@@ -110,7 +114,8 @@ class CpuBackend final : public Backend {
     const int64_t a_span = span(call.lda, call.transpose_a ? call.m : call.k);
     const int64_t b_span = span(call.ldb, call.transpose_b ? call.k : call.n);
     const int64_t d_span = span(call.ldd, call.n);
-    const blasint m = blas_dimension(call.m), n = blas_dimension(call.n), k = blas_dimension(call.k);
+    const blasint m = blas_dimension(call.m), n = blas_dimension(call.n),
+                  k = blas_dimension(call.k);
     const blasint lda = blas_dimension(call.lda), ldb = blas_dimension(call.ldb),
                   ldd = blas_dimension(call.ldd);
 
@@ -210,6 +215,8 @@ class CpuBackend final : public Backend {
 
 }  // namespace
 
-std::unique_ptr<Backend> make_cpu_backend() { return std::make_unique<CpuBackend>(); }
+std::unique_ptr<Backend> make_cpu_backend() {
+  return std::make_unique<CpuBackend>();
+}
 
 }  // namespace shardmuon

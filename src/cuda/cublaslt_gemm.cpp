@@ -65,11 +65,20 @@ CublasLtGemm::~CublasLtGemm() {
 }
 
 const CublasLtGemm::Plan& CublasLtGemm::plan_for(const GemmCall& call) {
-  const PlanKey key = {call.transpose_a, call.transpose_b,    call.m,
-                       call.n,           call.k,              call.lda,
-                       call.ldb,         call.ldc,            call.ldd,
-                       call.ab_type,     call.cd_type,        alignment_of(call.a),
-                       alignment_of(call.b), std::min(alignment_of(call.c), alignment_of(call.d))};
+  const PlanKey key = {call.transpose_a,
+                       call.transpose_b,
+                       call.m,
+                       call.n,
+                       call.k,
+                       call.lda,
+                       call.ldb,
+                       call.ldc,
+                       call.ldd,
+                       call.ab_type,
+                       call.cd_type,
+                       alignment_of(call.a),
+                       alignment_of(call.b),
+                       std::min(alignment_of(call.c), alignment_of(call.d))};
   auto found = plans_.find(key);
   if (found != plans_.end()) return *found->second;
 
@@ -100,9 +109,9 @@ const CublasLtGemm::Plan& CublasLtGemm::plan_for(const GemmCall& call) {
   SHARDMUON_CUBLAS(cublasLtMatmulPreferenceCreate(&preference));
   std::unique_ptr<cublasLtMatmulPreferenceOpaque_t, cublasStatus_t (*)(cublasLtMatmulPreference_t)>
       preference_owner(preference, cublasLtMatmulPreferenceDestroy);
-  SHARDMUON_CUBLAS(cublasLtMatmulPreferenceSetAttribute(
-      preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace_bytes_,
-      sizeof workspace_bytes_));
+  SHARDMUON_CUBLAS(
+      cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                           &workspace_bytes_, sizeof workspace_bytes_));
   const uint32_t alignments[4] = {static_cast<uint32_t>(key[11]), static_cast<uint32_t>(key[12]),
                                   static_cast<uint32_t>(key[13]), static_cast<uint32_t>(key[13])};
   const cublasLtMatmulPreferenceAttributes_t alignment_attributes[4] = {
@@ -119,8 +128,8 @@ const CublasLtGemm::Plan& CublasLtGemm::plan_for(const GemmCall& call) {
                                                   plan->c, plan->d, preference, 1, &result,
                                                   &found_count));
   if (found_count == 0) {
-    fail(SHARDMUON_ERROR_CUBLAS, "cuBLASLt has no algorithm for the GEMM m=", call.m,
-         " n=", call.n, " k=", call.k, " lda=", call.lda, " ldb=", call.ldb, " ldd=", call.ldd);
+    fail(SHARDMUON_ERROR_CUBLAS, "cuBLASLt has no algorithm for the GEMM m=", call.m, " n=", call.n,
+         " k=", call.k, " lda=", call.lda, " ldb=", call.ldb, " ldd=", call.ldd);
   }
   plan->algorithm = result.algo;
   return *plans_.emplace(key, std::move(plan)).first->second;
@@ -132,13 +141,13 @@ void CublasLtGemm::run(const GemmCall& call, cudaStream_t stream) {
   const void* c = call.beta == 0.0 ? call.d : call.c;
   if (plan.double_scale) {
     const double alpha = call.alpha, beta = call.beta;
-    SHARDMUON_CUBLAS(cublasLtMatmul(handle_, plan.operation, &alpha, call.a, plan.a, call.b,
-                                    plan.b, &beta, c, plan.c, call.d, plan.d, &plan.algorithm,
+    SHARDMUON_CUBLAS(cublasLtMatmul(handle_, plan.operation, &alpha, call.a, plan.a, call.b, plan.b,
+                                    &beta, c, plan.c, call.d, plan.d, &plan.algorithm,
                                     workspace_.get(), workspace_bytes_, stream));
   } else {
     const float alpha = static_cast<float>(call.alpha), beta = static_cast<float>(call.beta);
-    SHARDMUON_CUBLAS(cublasLtMatmul(handle_, plan.operation, &alpha, call.a, plan.a, call.b,
-                                    plan.b, &beta, c, plan.c, call.d, plan.d, &plan.algorithm,
+    SHARDMUON_CUBLAS(cublasLtMatmul(handle_, plan.operation, &alpha, call.a, plan.a, call.b, plan.b,
+                                    &beta, c, plan.c, call.d, plan.d, &plan.algorithm,
                                     workspace_.get(), workspace_bytes_, stream));
   }
 }

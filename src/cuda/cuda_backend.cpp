@@ -14,7 +14,9 @@
 namespace shardmuon {
 namespace {
 
-cudaStream_t as_cuda(Stream stream) { return static_cast<cudaStream_t>(stream); }
+cudaStream_t as_cuda(Stream stream) {
+  return static_cast<cudaStream_t>(stream);
+}
 
 // Workspace grows in steps of 2 MiB, so slightly larger shapes do not reallocate.
 constexpr size_t kWorkspaceGranularity = 2u << 20;
@@ -65,8 +67,8 @@ class CudaBackend final : public Backend {
       fail(SHARDMUON_ERROR_INVALID_ARGUMENT, name, " (", pointer,
            ") is not memory CUDA knows: ", cudaGetErrorString(code));
     }
-    const bool on_device = attributes.type == cudaMemoryTypeDevice ||
-                           attributes.type == cudaMemoryTypeManaged;
+    const bool on_device =
+        attributes.type == cudaMemoryTypeDevice || attributes.type == cudaMemoryTypeManaged;
     SHARDMUON_CHECK_ARG(on_device, name, " (", pointer,
                         ") is host memory; the CUDA backend needs device memory");
     SHARDMUON_CHECK_ARG(attributes.type == cudaMemoryTypeManaged || attributes.device == device_,
@@ -83,8 +85,8 @@ class CudaBackend final : public Backend {
 
   void* workspace(size_t bytes, Stream stream) override {
     if (bytes <= workspace_bytes_) return workspace_;
-    const size_t grown = (bytes + kWorkspaceGranularity - 1) / kWorkspaceGranularity *
-                         kWorkspaceGranularity;
+    const size_t grown =
+        (bytes + kWorkspaceGranularity - 1) / kWorkspaceGranularity * kWorkspaceGranularity;
     // Stream-ordered: the old buffer is released after the work already on this stream
     // (which begin_call ordered after any other stream's use of it).
     if (workspace_ != nullptr) {

@@ -1,6 +1,7 @@
+#include <cuda_bf16.h>
+
 #include <cub/device/device_reduce.cuh>
 #include <cuda/std/functional>
-#include <cuda_bf16.h>
 
 #include "core/error.h"
 #include "cuda/cuda_check.h"
@@ -9,13 +10,19 @@
 namespace shardmuon {
 namespace {
 
-__device__ __forceinline__ float to_float(float x) { return x; }
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_float(float x) {
+  return x;
+}
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) {
+  return __bfloat162float(x);
+}
 
 template <typename T>
 __device__ __forceinline__ T from_accumulate(float x);
 template <>
-__device__ __forceinline__ float from_accumulate<float>(float x) { return x; }
+__device__ __forceinline__ float from_accumulate<float>(float x) {
+  return x;
+}
 template <>
 __device__ __forceinline__ __nv_bfloat16 from_accumulate<__nv_bfloat16>(float x) {
   return __float2bfloat16_rn(x);
@@ -86,7 +93,9 @@ size_t transform_reduce(void* scratch, size_t scratch_bytes, const void* x, int6
   return scratch_bytes;
 }
 
-void check_launch(const char* kernel) { check_cuda(cudaGetLastError(), kernel); }
+void check_launch(const char* kernel) {
+  check_cuda(cudaGetLastError(), kernel);
+}
 
 }  // namespace
 
@@ -134,9 +143,8 @@ void shift_diagonal_cuda(const void* src, shardmuon_dtype src_type, void* dst,
     shift_diagonal_in_place_kernel<<<grid_for(n), kThreads, 0, stream>>>(static_cast<float*>(dst),
                                                                          n, amount);
   } else if (dst_type == SHARDMUON_FLOAT32) {
-    shift_diagonal_kernel<<<grid_for(n * n), kThreads, 0, stream>>>(source,
-                                                                    static_cast<float*>(dst), n,
-                                                                    amount);
+    shift_diagonal_kernel<<<grid_for(n * n), kThreads, 0, stream>>>(
+        source, static_cast<float*>(dst), n, amount);
   } else {
     shift_diagonal_kernel<<<grid_for(n * n), kThreads, 0, stream>>>(
         source, static_cast<__nv_bfloat16*>(dst), n, amount);
@@ -150,8 +158,8 @@ void convert_cuda(const void* src, shardmuon_dtype src_type, void* dst, shardmuo
     convert_kernel<<<grid_for(count), kThreads, 0, stream>>>(
         static_cast<const float*>(src), static_cast<__nv_bfloat16*>(dst), count);
   } else if (src_type == SHARDMUON_BFLOAT16 && dst_type == SHARDMUON_FLOAT32) {
-    convert_kernel<<<grid_for(count), kThreads, 0, stream>>>(
-        static_cast<const __nv_bfloat16*>(src), static_cast<float*>(dst), count);
+    convert_kernel<<<grid_for(count), kThreads, 0, stream>>>(static_cast<const __nv_bfloat16*>(src),
+                                                             static_cast<float*>(dst), count);
   } else {
     fail(SHARDMUON_ERROR_INTERNAL, "no CUDA conversion from dtype ", static_cast<int>(src_type),
          " to ", static_cast<int>(dst_type));

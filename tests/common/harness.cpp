@@ -3,8 +3,8 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
-#include <utility>
 #include <stdexcept>
+#include <utility>
 
 #ifdef SHARDMUON_TEST_WITH_CUDA
 #include <cuda_runtime_api.h>
@@ -53,7 +53,9 @@ Buffer::~Buffer() {
   std::free(data_);
 }
 
-Buffer::Buffer(Buffer&& other) noexcept { *this = std::move(other); }
+Buffer::Buffer(Buffer&& other) noexcept {
+  *this = std::move(other);
+}
 
 Buffer& Buffer::operator=(Buffer&& other) noexcept {
   std::swap(data_, other.data_);
@@ -141,7 +143,9 @@ void Harness::shutdown() {
   instance.reset();
 }
 
-Harness& Harness::get() { return *instance; }
+Harness& Harness::get() {
+  return *instance;
+}
 
 Buffer Harness::upload(const std::vector<unsigned char>& bytes) const {
   Buffer buffer(bytes.size(), on_gpu());
@@ -186,7 +190,7 @@ void DistributedTest::TearDown() {
 }
 
 double group_relative_error(const std::vector<double>& x, const std::vector<double>& reference,
-                           MPI_Comm group) {
+                            MPI_Comm group) {
   double sums[2] = {0, 0};
   for (size_t i = 0; i < x.size(); ++i) {
     sums[0] += (x[i] - reference[i]) * (x[i] - reference[i]);

@@ -5,9 +5,8 @@
 // DistributedTest), so no rank's failure goes unseen and no rank reports alone.
 #pragma once
 
-#include <mpi.h>
-
 #include <gtest/gtest.h>
+#include <mpi.h>
 
 #include <cstdint>
 #include <memory>

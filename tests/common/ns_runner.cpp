@@ -39,8 +39,8 @@ NsRun run_newton_schulz(const Group& group, const Matrix& input, shardmuon_dtype
                         const shardmuon_ns_options& options) {
   const Harness& harness = Harness::get();
   const int64_t extent = partition == SHARDMUON_SHARDED_DIM0 ? input.rows : input.cols;
-  const std::vector<int64_t> actual_sizes = sizes.empty() ? balanced_sizes(extent, group.size)
-                                                          : sizes;
+  const std::vector<int64_t> actual_sizes =
+      sizes.empty() ? balanced_sizes(extent, group.size) : sizes;
   NsRun run;
   run.input_shard = extract_shard(input, partition, actual_sizes, group.rank);
   Buffer buffer = harness.upload(to_bytes(run.input_shard, dtype));
@@ -77,8 +77,8 @@ const Matrix& cached_reference(const std::string& key, const Matrix& input,
 void report_error(double error, double tolerance, int group_rank) {
   if (group_rank != 0 || std::getenv("SHARDMUON_TEST_REPORT_ERRORS") == nullptr) return;
   const ::testing::TestInfo* info = ::testing::UnitTest::GetInstance()->current_test_info();
-  std::printf("%s.%s error=%.3e tolerance=%.1e ratio=%.3f\n", info->test_suite_name(),
-              info->name(), error, tolerance, error / tolerance);
+  std::printf("%s.%s error=%.3e tolerance=%.1e ratio=%.3f\n", info->test_suite_name(), info->name(),
+              error, tolerance, error / tolerance);
 }
 
 double tolerance_for(shardmuon_dtype dtype) {

@@ -18,17 +18,25 @@ std::vector<Triple> schedule_table(shardmuon_schedule schedule) {
   switch (schedule) {
     case SHARDMUON_SCHEDULE_SIMPLE: return {{3.4445, -4.7750, 2.0315}};
     case SHARDMUON_SCHEDULE_QUINTIC:
-      return {{4.0848, -6.8946, 2.9270}, {3.9505, -6.3029, 2.6377}, {3.7418, -5.5913, 2.3037},
-              {2.8769, -3.1427, 1.2046}, {2.8366, -3.0525, 1.2012}};
+      return {{4.0848, -6.8946, 2.9270},
+              {3.9505, -6.3029, 2.6377},
+              {3.7418, -5.5913, 2.3037},
+              {2.8769, -3.1427, 1.2046},
+              {2.8366, -3.0525, 1.2012}};
     case SHARDMUON_SCHEDULE_POLAR_EXPRESS:
       return {{8.2051, -22.9019, 16.4607}, {4.0664, -2.8612, 0.5184}, {3.9096, -2.8234, 0.5250},
               {3.2856, -2.4153, 0.4853},   {2.2779, -1.6198, 0.3985}, {1.8726, -1.2307, 0.3585},
               {1.8564, -1.2132, 0.3568},   {1.8750, -1.2500, 0.3750}};
     case SHARDMUON_SCHEDULE_CANS:
-      return {{8.4703, -25.1081, 18.6293}, {4.1828, -3.1087, 0.5806}, {3.9619, -2.9541, 0.5630},
-              {3.2866, -2.4647, 0.5074},   {2.2737, -1.6447, 0.4162}};
+      return {{8.4703, -25.1081, 18.6293},
+              {4.1828, -3.1087, 0.5806},
+              {3.9619, -2.9541, 0.5630},
+              {3.2866, -2.4647, 0.5074},
+              {2.2737, -1.6447, 0.4162}};
     case SHARDMUON_SCHEDULE_AOL:
-      return {{4.0098, -7.0585, 2.4635}, {3.4585, -5.5479, 2.5959}, {2.7573, -3.2939, 1.4254},
+      return {{4.0098, -7.0585, 2.4635},
+              {3.4585, -5.5479, 2.5959},
+              {2.7573, -3.2939, 1.4254},
               {2.7215, -3.0494, 1.3169}};
     default: throw std::invalid_argument("no table for this schedule");
   }
@@ -56,7 +64,9 @@ uint64_t Random::next_u64() {  // splitmix64
   return z ^ (z >> 31);
 }
 
-double Random::uniform() { return static_cast<double>(next_u64() >> 11) * 0x1.0p-53; }
+double Random::uniform() {
+  return static_cast<double>(next_u64() >> 11) * 0x1.0p-53;
+}
 
 double Random::gaussian() {  // Box-Muller
   const double u1 = 1.0 - uniform(), u2 = uniform();
@@ -145,8 +155,8 @@ Matrix torch_form_bf16_newton_schulz(const Matrix& w, const std::vector<Triple>&
   auto combine = [&](double alpha, const Matrix& p, double beta, const Matrix& q) {
     Matrix r(p.rows, p.cols);
     for (size_t i = 0; i < r.values.size(); ++i) {
-      r.values[i] = round_to_bf16(round_to_bf16(alpha * p.values[i]) +
-                                  round_to_bf16(beta * q.values[i]));
+      r.values[i] =
+          round_to_bf16(round_to_bf16(alpha * p.values[i]) + round_to_bf16(beta * q.values[i]));
     }
     return r;
   };
@@ -198,8 +208,8 @@ std::vector<unsigned char> to_bytes(const std::vector<double>& values, shardmuon
     if (dtype == SHARDMUON_FLOAT64) {
       std::memcpy(out, &values[i], 8);
     } else {
-      const float f = static_cast<float>(dtype == SHARDMUON_BFLOAT16 ? round_to_bf16(values[i])
-                                                                     : values[i]);
+      const float f =
+          static_cast<float>(dtype == SHARDMUON_BFLOAT16 ? round_to_bf16(values[i]) : values[i]);
       uint32_t bits;
       std::memcpy(&bits, &f, 4);
       if (dtype == SHARDMUON_FLOAT32) {

@@ -72,7 +72,8 @@ const char* dtype_label(shardmuon_dtype dtype);
 
 // Shard sizes that sum to extent over parts ranks.
 std::vector<int64_t> balanced_sizes(int64_t extent, int parts);
-std::vector<int64_t> uneven_sizes(int64_t extent, int parts);     // includes an empty shard for parts >= 3
+std::vector<int64_t> uneven_sizes(int64_t extent,
+                                  int parts);  // includes an empty shard for parts >= 3
 std::vector<int64_t> last_holds_all(int64_t extent, int parts);  // every shard empty but the last
 
 // The row-major local shard of rank `rank` (partition as in shardmuon_layout).

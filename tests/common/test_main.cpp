@@ -1,8 +1,7 @@
 // main() of the distributed test binaries: MPI, the backend from --backend=cpu|cuda, and
 // output from rank 0 only, except that every other rank prints its own failures.
-#include <mpi.h>
-
 #include <gtest/gtest.h>
+#include <mpi.h>
 
 #include <cstdio>
 #include <cstring>

@@ -62,12 +62,13 @@ Outcome perform(const Group& group, const Call& call) {
       call.input, call.partition, uneven_sizes(call.input.cols, group.size), group.rank);
   const shardmuon_dtype storage =
       call.dtype == SHARDMUON_BFLOAT16 || call.dtype == SHARDMUON_FLOAT64 ? call.dtype
-                                                                         : SHARDMUON_FLOAT32;
+                                                                          : SHARDMUON_FLOAT32;
   std::vector<unsigned char> bytes = to_bytes(shard, storage);
   bytes.resize(call.input.values.size() * 8 + 8, 0xAB);
   Buffer buffer = harness.upload(bytes);
   shardmuon_layout layout = make_layout(call.input, call.partition, call.num_shards, call.sizes);
-  void* pointer = call.null_shard ? nullptr : static_cast<char*>(buffer.data()) + call.pointer_offset;
+  void* pointer =
+      call.null_shard ? nullptr : static_cast<char*>(buffer.data()) + call.pointer_offset;
   Outcome outcome;
   outcome.status = shardmuon_newton_schulz(
       call.context, call.comm, pointer, call.dtype, call.null_layout ? nullptr : &layout,
@@ -86,7 +87,8 @@ struct BadCase {
 
 const std::vector<BadCase>& bad_cases() {
   static const std::vector<double> two_triples = {3, -3, 1, 2, -2, 1};
-  static const std::vector<double> nan_triple = {3, -3, 1, 2, -2, 1, 1, 0.0 / 0.0, 1, 2, -1, 0.5, 1, 1, 1};
+  static const std::vector<double> nan_triple = {3, -3, 1,  2,   -2, 1, 1, 0.0 / 0.0,
+                                                 1, 2,  -1, 0.5, 1,  1, 1};
   static const std::vector<BadCase> cases = {
       {"null context", [](Call& c) { c.context = nullptr; }, SHARDMUON_ERROR_INVALID_ARGUMENT,
        "context is NULL"},
@@ -108,7 +110,8 @@ const std::vector<BadCase>& bad_cases() {
        SHARDMUON_ERROR_INVALID_ARGUMENT, "not aligned"},
       {"unknown dtype", [](Call& c) { c.dtype = out_of_range<shardmuon_dtype>(7); },
        SHARDMUON_ERROR_INVALID_ARGUMENT, "dtype is unknown: 7"},
-      {"unknown schedule", [](Call& c) { c.options.schedule = out_of_range<shardmuon_schedule>(42); },
+      {"unknown schedule",
+       [](Call& c) { c.options.schedule = out_of_range<shardmuon_schedule>(42); },
        SHARDMUON_ERROR_INVALID_ARGUMENT, "options->schedule is unknown: 42"},
       {"zero iterations", [](Call& c) { c.options.num_iterations = 0; },
        SHARDMUON_ERROR_INVALID_ARGUMENT, "num_iterations must be >= 1, got 0"},
@@ -134,21 +137,31 @@ const std::vector<BadCase>& bad_cases() {
        SHARDMUON_ERROR_INVALID_ARGUMENT, "custom_coefficients[7] is not finite"},
       {"negative eps", [](Call& c) { c.options.eps = -1; }, SHARDMUON_ERROR_INVALID_ARGUMENT,
        "options->eps must be finite and >= 0, got -1"},
-      {"unknown algorithm", [](Call& c) { c.options.algorithm = out_of_range<shardmuon_ns_algorithm>(9); },
+      {"unknown algorithm",
+       [](Call& c) { c.options.algorithm = out_of_range<shardmuon_ns_algorithm>(9); },
        SHARDMUON_ERROR_INVALID_ARGUMENT, "options->algorithm is unknown: 9"},
-      {"zero rows", [](Call& c) { c.input = Matrix(0, 41); c.partition = SHARDMUON_REPLICATED; },
+      {"zero rows",
+       [](Call& c) {
+         c.input = Matrix(0, 41);
+         c.partition = SHARDMUON_REPLICATED;
+       },
        SHARDMUON_ERROR_INVALID_ARGUMENT, "layout->rows must be >= 1, got 0"},
       {"unknown partition", [](Call& c) { c.partition = out_of_range<shardmuon_partition>(5); },
        SHARDMUON_ERROR_INVALID_ARGUMENT, "layout->partition is unknown: 5"},
       {"shard sizes do not add up", [](Call& c) { c.sizes.front() -= 1; },
-       SHARDMUON_ERROR_INVALID_ARGUMENT, "layout->shard_sizes add up to 40, but the sharded cols number 41"},
+       SHARDMUON_ERROR_INVALID_ARGUMENT,
+       "layout->shard_sizes add up to 40, but the sharded cols number 41"},
       {"negative shard size",
        [](Call& c) {  // still adds up
          c.sizes.back() += c.sizes.front() + 1;
          c.sizes.front() = -1;
        },
        SHARDMUON_ERROR_INVALID_ARGUMENT, "layout->shard_sizes[0] = -1 is outside [0, 41]"},
-      {"shard count is not the group size", [](Call& c) { c.num_shards += 1; c.sizes.push_back(0); },
+      {"shard count is not the group size",
+       [](Call& c) {
+         c.num_shards += 1;
+         c.sizes.push_back(0);
+       },
        SHARDMUON_ERROR_INVALID_ARGUMENT, "must equal the communicator's size"},
   };
   return cases;
@@ -204,7 +217,8 @@ TEST_F(BadInput, OneRankAtFaultFailsEveryRank) {
 TEST_F(BadInput, RanksThatDisagreeAllFail) {
   const std::vector<std::pair<const char*, std::function<void(Call&)>>> disagreements = {
       {"other shape", [](Call& c) { c.input = random_gaussian(24, 41, 5); }},
-      {"other shard sizes", [](Call& c) { c.sizes = balanced_sizes(41, static_cast<int>(c.sizes.size())); }},
+      {"other shard sizes",
+       [](Call& c) { c.sizes = balanced_sizes(41, static_cast<int>(c.sizes.size())); }},
       {"other dtype", [](Call& c) { c.dtype = SHARDMUON_BFLOAT16; }},
       {"other iterations", [](Call& c) { c.options.num_iterations = 6; }},
       {"other schedule", [](Call& c) { c.options.schedule = SHARDMUON_SCHEDULE_AOL; }},
@@ -251,7 +265,8 @@ TEST_F(BadInput, HandlesAndHelpers) {
   ASSERT_EQ(shardmuon_build_info(&has_cuda, &has_nccl, &has_mpi), SHARDMUON_SUCCESS);
   EXPECT_EQ(has_mpi, 1);  // this test binary runs over MPI
   if (!has_cuda) {
-    EXPECT_EQ(shardmuon_context_create(SHARDMUON_BACKEND_CUDA, 0, &context), SHARDMUON_ERROR_NOT_BUILT);
+    EXPECT_EQ(shardmuon_context_create(SHARDMUON_BACKEND_CUDA, 0, &context),
+              SHARDMUON_ERROR_NOT_BUILT);
     EXPECT_NE(std::string(shardmuon_last_error()).find("built without CUDA"), std::string::npos);
   }
   if (!has_nccl) {
@@ -274,7 +289,8 @@ TEST_F(BadInput, CudaBackendChecksMemoryAndDtype) {
 
   std::vector<float> host(23 * 41, 1.0f);
   const shardmuon_layout layout = make_layout(call.input, SHARDMUON_REPLICATED, 1, {});
-  const shardmuon_ns_options options = make_options(SHARDMUON_SCHEDULE_QUINTIC, 5, SHARDMUON_NS_AUTO);
+  const shardmuon_ns_options options =
+      make_options(SHARDMUON_SCHEDULE_QUINTIC, 5, SHARDMUON_NS_AUTO);
   EXPECT_EQ(shardmuon_newton_schulz(Harness::get().context(), group.comm, host.data(),
                                     SHARDMUON_FLOAT32, &layout, &options, Harness::get().stream()),
             SHARDMUON_ERROR_INVALID_ARGUMENT);

@@ -27,7 +27,9 @@ struct Shape {
 const Shape kShapes[] = {{1, 37},   {29, 1},  {67, 131}, {131, 67}, {257, 64},
                          {64, 257}, {61, 61}, {20, 3},   {3, 20}};
 
-uint64_t seed_of(const Shape& shape) { return static_cast<uint64_t>(shape.rows * 1000 + shape.cols); }
+uint64_t seed_of(const Shape& shape) {
+  return static_cast<uint64_t>(shape.rows * 1000 + shape.cols);
+}
 
 Matrix input_for(const Shape& shape, shardmuon_dtype dtype) {
   return rounded_to(random_gaussian(shape.rows, shape.cols, seed_of(shape)), dtype);
@@ -40,38 +42,40 @@ std::string shape_key(const Shape& shape, shardmuon_dtype dtype, const std::stri
 }
 
 const char* partition_label(shardmuon_partition partition) {
-  return partition == SHARDMUON_REPLICATED ? "replicated"
+  return partition == SHARDMUON_REPLICATED     ? "replicated"
          : partition == SHARDMUON_SHARDED_DIM0 ? "dim0"
                                                : "dim1";
 }
 
 const char* algorithm_label(shardmuon_ns_algorithm algorithm) {
-  return algorithm == SHARDMUON_NS_AUTO ? "auto"
+  return algorithm == SHARDMUON_NS_AUTO         ? "auto"
          : algorithm == SHARDMUON_NS_DUPLICATED ? "duplicated"
                                                 : "gram";
 }
 
 // Skips the test on every rank when the harness has fewer ranks than the case needs;
 // returns the group otherwise. Non-members return early from the body.
-#define REQUIRE_GROUP(size)                                                            \
-  if ((size) > Harness::get().max_group_size()) {                                       \
-    GTEST_SKIP() << "needs " << (size) << " ranks; this run has "                      \
-                 << Harness::get().max_group_size();                                   \
-  }                                                                                     \
-  const Group& group = Harness::get().group(size);                                     \
+#define REQUIRE_GROUP(size)                                       \
+  if ((size) > Harness::get().max_group_size()) {                 \
+    GTEST_SKIP() << "needs " << (size) << " ranks; this run has " \
+                 << Harness::get().max_group_size();              \
+  }                                                               \
+  const Group& group = Harness::get().group(size);                \
   if (!group.member) return
 
 // float64 is the CPU backend's reference precision; the CUDA backend refuses it.
-#define SKIP_FLOAT64_ON_GPU(dtype)                                      \
-  if ((dtype) == SHARDMUON_FLOAT64 && Harness::get().on_gpu()) {         \
-    GTEST_SKIP() << "float64 runs on the CPU backend only";             \
+#define SKIP_FLOAT64_ON_GPU(dtype)                               \
+  if ((dtype) == SHARDMUON_FLOAT64 && Harness::get().on_gpu()) { \
+    GTEST_SKIP() << "float64 runs on the CPU backend only";      \
   }
 
 // The most precise dtype of the backend, for invariants checked tightly.
 shardmuon_dtype precise_dtype() {
   return Harness::get().on_gpu() ? SHARDMUON_FLOAT32 : SHARDMUON_FLOAT64;
 }
-double precise_tolerance() { return Harness::get().on_gpu() ? 2e-6 : 1e-13; }
+double precise_tolerance() {
+  return Harness::get().on_gpu() ? 2e-6 : 1e-13;
+}
 
 // ------------------------------------------------------------------------------------------
 // Every layout against the oracle.
@@ -91,8 +95,8 @@ std::vector<LayoutCase> layout_cases() {
   for (const Shape& shape : kShapes) {
     for (shardmuon_dtype dtype : dtypes) {
       for (int p = 1; p <= 4; ++p) {
-        cases.push_back({shape, SHARDMUON_REPLICATED, p, ShardPattern::kBalanced,
-                         SHARDMUON_NS_AUTO, dtype});
+        cases.push_back(
+            {shape, SHARDMUON_REPLICATED, p, ShardPattern::kBalanced, SHARDMUON_NS_AUTO, dtype});
         for (shardmuon_partition partition : {SHARDMUON_SHARDED_DIM0, SHARDMUON_SHARDED_DIM1}) {
           for (ShardPattern pattern :
                {ShardPattern::kBalanced, ShardPattern::kUneven, ShardPattern::kLastHoldsAll}) {
@@ -143,11 +147,10 @@ TEST_P(NewtonSchulzLayouts, MatchesGatheredReference) {
   int non_finite = 0;
   for (double v : run.output_shard) non_finite += std::isfinite(v) ? 0 : 1;
   EXPECT_EQ(non_finite, 0);
-  const double error = c.partition == SHARDMUON_REPLICATED
-                           ? group_max(group_relative_error(run.output_shard, expected,
-                                                            MPI_COMM_SELF),
-                                       group.mpi)
-                           : group_relative_error(run.output_shard, expected, group.mpi);
+  const double error =
+      c.partition == SHARDMUON_REPLICATED
+          ? group_max(group_relative_error(run.output_shard, expected, MPI_COMM_SELF), group.mpi)
+          : group_relative_error(run.output_shard, expected, group.mpi);
   report_error(error, tolerance_for(c.dtype), group.rank);
   EXPECT_LT(error, tolerance_for(c.dtype));
 }
@@ -263,14 +266,15 @@ Matrix gather(const Group& group, const std::vector<double>& shard, shardmuon_pa
   std::vector<int> counts(group.size), displacements(group.size);
   int64_t offset = 0;
   for (int r = 0; r < group.size; ++r) {
-    const int64_t elements = partition == SHARDMUON_SHARDED_DIM0 ? sizes[r] * cols : rows * sizes[r];
+    const int64_t elements =
+        partition == SHARDMUON_SHARDED_DIM0 ? sizes[r] * cols : rows * sizes[r];
     counts[r] = static_cast<int>(elements);
     displacements[r] = static_cast<int>(offset);
     offset += elements;
   }
   std::vector<double> all(static_cast<size_t>(rows * cols));
-  MPI_Allgatherv(shard.data(), static_cast<int>(shard.size()), MPI_DOUBLE, all.data(), counts.data(),
-                 displacements.data(), MPI_DOUBLE, group.mpi);
+  MPI_Allgatherv(shard.data(), static_cast<int>(shard.size()), MPI_DOUBLE, all.data(),
+                 counts.data(), displacements.data(), MPI_DOUBLE, group.mpi);
   Matrix m(rows, cols);
   int64_t base = 0, first = 0;
   for (int r = 0; r < group.size; ++r) {
@@ -330,8 +334,8 @@ TEST_F(NewtonSchulzInvariants, ResultDoesNotDependOnGroupSizeOrShards) {
             const Matrix whole =
                 gather(group, run.output_shard, partition, sizes, shape.rows, shape.cols);
             EXPECT_LT(relative_difference(whole, single), dtype == SHARDMUON_FLOAT64 ? 1e-13 : 2e-6)
-                << "P=" << p << " " << partition_label(partition) << " "
-                << pattern_name(pattern) << " " << dtype_label(dtype);
+                << "P=" << p << " " << partition_label(partition) << " " << pattern_name(pattern)
+                << " " << dtype_label(dtype);
           }
         }
       }
@@ -396,10 +400,11 @@ TEST_F(NewtonSchulzInvariants, BfloatBeatsTheTorchFormOnMedian) {
   const int p = Harness::get().max_group_size();
   const Group& group = Harness::get().group(p);
   if (!group.member) return;
-  const std::pair<shardmuon_schedule, int> schedules[] = {
-      {SHARDMUON_SCHEDULE_SIMPLE, 5}, {SHARDMUON_SCHEDULE_QUINTIC, 5},
-      {SHARDMUON_SCHEDULE_POLAR_EXPRESS, 8}, {SHARDMUON_SCHEDULE_CANS, 5},
-      {SHARDMUON_SCHEDULE_AOL, 4}};
+  const std::pair<shardmuon_schedule, int> schedules[] = {{SHARDMUON_SCHEDULE_SIMPLE, 5},
+                                                          {SHARDMUON_SCHEDULE_QUINTIC, 5},
+                                                          {SHARDMUON_SCHEDULE_POLAR_EXPRESS, 8},
+                                                          {SHARDMUON_SCHEDULE_CANS, 5},
+                                                          {SHARDMUON_SCHEDULE_AOL, 4}};
   auto median = [](std::vector<double> v) {
     std::sort(v.begin(), v.end());
     return v[v.size() / 2];
