@@ -28,6 +28,20 @@ run_suite() {  # name, build dir, extra cmake args...
 
 run_suite "full build" "$root/build"
 run_suite "build without CUDA" "$root/build-nocuda" -DSHARDMUON_WITH_CUDA=OFF
+run_suite "build without CUDA and MPI" "$root/build-minimal" -DSHARDMUON_WITH_CUDA=OFF \
+  -DSHARDMUON_WITH_MPI=OFF
+
+# A formatted tree (the checked-in .clang-format), where clang-format is installed.
+if command -v clang-format >/dev/null 2>&1; then
+  if (cd "$root" && git ls-files '*.h' '*.hpp' '*.cpp' '*.cu' '*.cuh' |
+      xargs clang-format --dry-run --Werror 2>"$root/build.format.log"); then
+    summary+=("formatting: clean")
+  else
+    head -20 "$root/build.format.log"
+    summary+=("formatting: FAILED (run clang-format -i on the files above)")
+    status=1
+  fi
+fi
 
 echo
 echo "shardmuon test summary"
