@@ -3,6 +3,8 @@
 #include <cstdint>
 #include <cstring>
 #include <exception>
+#include <new>
+#include <optional>
 #include <sstream>
 #include <string>
 
@@ -316,15 +318,24 @@ shardmuon_status shardmuon_newton_schulz(shardmuon_context_t context, shardmuon_
     // Without a communicator the ranks cannot be told; this error stays local.
     shardmuon::Communicator& group = shardmuon::communicator_of(comm, "comm");
     shardmuon::ValidatedNsCall call;
+    std::optional<shardmuon::BackendCallScope> scope;
     std::exception_ptr local_error;
     try {
       call = shardmuon::validate_ns_call(context, group, local_shard, dtype, layout, options);
+      // Grow the workspace now, so that running out of memory is this rank's validation
+      // failure, reported to every rank, rather than a failure after the others have
+      // entered a collective.
+      scope.emplace(*call.backend, stream);
+      call.backend->workspace(shardmuon::newton_schulz_workspace_bytes(*call.backend, call.problem,
+                                                                       group.rank(), group.size()),
+                              stream);
     } catch (const shardmuon::Failure&) {
       local_error = std::current_exception();
+    } catch (const std::bad_alloc&) {
+      local_error = std::make_exception_ptr(shardmuon::Failure(
+          SHARDMUON_ERROR_OUT_OF_MEMORY, "out of host memory for the workspace"));
     }
     shardmuon::agree_across_ranks(group, local_error, call.digest, call.description);
-
-    shardmuon::BackendCallScope scope(*call.backend, stream);
     shardmuon::run_newton_schulz(*call.backend, group, call.problem, local_shard, stream);
   });
 }

@@ -213,53 +213,111 @@ void iterate_on_block(Backend& backend, Communicator* comm, const NsProblem& pro
   }
 }
 
-void run_on_whole_matrix(Backend& backend, const NsProblem& problem, void* matrix, Stream stream) {
-  const ShardLayout& layout = problem.layout;
-  const WideBlock block = WideBlock::of(layout, layout.rows(), layout.cols());
-  WorkspaceCarver carver;
-  const IterationSlots slots = IterationSlots::reserve(carver, backend, problem.dtype, block);
-  carver.bind(backend.workspace(carver.total_bytes(), stream));
-  iterate_on_block(backend, nullptr, problem, block, matrix, slots.resolve(carver), stream);
-}
+// A sub-matrix of a row-major buffer.
+struct Block {
+  int64_t row0, col0, rows, cols;
+  int64_t elements() const { return rows * cols; }
+};
 
-// (b): the shards already lie along the long side.
-void run_gram_allreduce(Backend& backend, Communicator& comm, const NsProblem& problem,
-                        void* local_shard, Stream stream) {
-  const ShardLayout& layout = problem.layout;
-  const int rank = comm.rank();
-  const WideBlock block = WideBlock::of(layout, layout.local_rows(rank), layout.local_cols(rank));
+// The geometry of (d) on one rank: the shards lie along the short side; each rank's
+// long-side block comes from a balanced split of the long side.
+struct Redistribution {
+  std::vector<Block>
+      to_target;  // my shard's part that becomes rank r's block (my shard's coordinates)
+  std::vector<Block> from_source;  // rank r's part of my block (my block's coordinates)
+  int64_t source_ld = 0, target_rows = 0, target_cols = 0;
+  int64_t staged_elements = 0;  // the larger of my shard and my block
+
+  static Redistribution of(const ShardLayout& layout, int rank, int ranks) {
+    const int source_dim = layout.sharded_dim();
+    const std::vector<int64_t>& source_sizes = layout.shard_sizes();
+    const std::vector<int64_t>& source_offsets = layout.shard_offsets();
+    const int64_t long_extent = source_dim == 0 ? layout.cols() : layout.rows();
+    const std::vector<int64_t> target_sizes = balanced_split(long_extent, ranks);
+    const std::vector<int64_t> target_offsets = prefix_offsets(target_sizes);
+
+    // A block given by its range along the source dim and along the target dim.
+    auto block_of = [source_dim](int64_t source_start, int64_t source_length, int64_t target_start,
+                                 int64_t target_length) {
+      return source_dim == 0 ? Block{source_start, target_start, source_length, target_length}
+                             : Block{target_start, source_start, target_length, source_length};
+    };
+    Redistribution r;
+    r.to_target.resize(ranks);
+    r.from_source.resize(ranks);
+    for (int peer = 0; peer < ranks; ++peer) {
+      r.to_target[peer] = block_of(0, source_sizes[rank], target_offsets[peer], target_sizes[peer]);
+      r.from_source[peer] =
+          block_of(source_offsets[peer], source_sizes[peer], 0, target_sizes[rank]);
+    }
+    r.source_ld = source_dim == 0 ? layout.cols() : source_sizes[rank];
+    r.target_rows = source_dim == 0 ? layout.rows() : target_sizes[rank];
+    r.target_cols = source_dim == 0 ? target_sizes[rank] : layout.cols();
+    r.staged_elements = std::max(layout.local_elements(rank), r.target_rows * r.target_cols);
+    return r;
+  }
+};
+
+// Where a plan's scratch lies in the workspace. Laid out once before the ranks agree to go
+// ahead, to grow the workspace (so that a failed allocation is reported to every rank rather
+// than leaving the others in a collective), and again, identically, to run.
+struct Scratch {
   WorkspaceCarver carver;
-  const IterationSlots slots = IterationSlots::reserve(carver, backend, problem.dtype, block);
-  carver.bind(backend.workspace(carver.total_bytes(), stream));
-  iterate_on_block(backend, &comm, problem, block, local_shard, slots.resolve(carver), stream);
-}
+  WideBlock block;  // what the iteration runs on
+  IterationSlots iteration;
+  size_t gathered = 0, matrix = 0, gather_block_bytes = 0;  // (a)
+  size_t target = 0, stage_send = 0, stage_recv = 0;        // (d)
+
+  static Scratch lay_out(const Backend& backend, const NsProblem& problem, int rank, int ranks) {
+    const ShardLayout& layout = problem.layout;
+    const size_t element = element_size(problem.dtype);
+    Scratch scratch;
+    switch (problem.plan.algorithm) {
+      case NsPlan::Algorithm::kLocal:
+        scratch.block = WideBlock::of(layout, layout.rows(), layout.cols());
+        break;
+      case NsPlan::Algorithm::kDuplicated: {
+        // Uneven shards are gathered as equal blocks padded to the largest shard.
+        int64_t largest = 0;
+        for (int r = 0; r < ranks; ++r) largest = std::max(largest, layout.local_elements(r));
+        scratch.gather_block_bytes = largest * element;
+        scratch.gathered = scratch.carver.reserve(scratch.gather_block_bytes * ranks);
+        scratch.matrix = scratch.carver.reserve(layout.rows() * layout.cols() * element);
+        scratch.block = WideBlock::of(layout, layout.rows(), layout.cols());
+        break;
+      }
+      case NsPlan::Algorithm::kGramAllReduce:
+        if (!problem.plan.redistributes) {
+          scratch.block = WideBlock::of(layout, layout.local_rows(rank), layout.local_cols(rank));
+        } else {
+          const Redistribution r = Redistribution::of(layout, rank, ranks);
+          scratch.target = scratch.carver.reserve(r.target_rows * r.target_cols * element);
+          scratch.stage_send = scratch.carver.reserve(r.staged_elements * element);
+          scratch.stage_recv = scratch.carver.reserve(r.staged_elements * element);
+          scratch.block = WideBlock::of(layout, r.target_rows, r.target_cols);
+        }
+        break;
+    }
+    scratch.iteration =
+        IterationSlots::reserve(scratch.carver, backend, problem.dtype, scratch.block);
+    return scratch;
+  }
+
+  char* at(size_t slot) const { return static_cast<char*>(carver.pointer(slot)); }
+};
 
 // (a): gather the whole matrix on every rank, iterate, keep the own shard.
 void run_duplicated(Backend& backend, Communicator& comm, const NsProblem& problem,
-                    void* local_shard, Stream stream) {
+                    const Scratch& scratch, void* local_shard, Stream stream) {
   const ShardLayout& layout = problem.layout;
   const int rank = comm.rank();
-  const int ranks = comm.size();
   const size_t element = element_size(problem.dtype);
   const int64_t rows = layout.rows(), cols = layout.cols();
   const std::vector<int64_t>& sizes = layout.shard_sizes();
   const std::vector<int64_t>& offsets = layout.shard_offsets();
-
-  // Uneven shards are gathered as equal blocks padded to the largest shard.
-  int64_t largest_shard_elements = 0;
-  for (int r = 0; r < ranks; ++r) {
-    largest_shard_elements = std::max(largest_shard_elements, layout.local_elements(r));
-  }
-  const size_t block_bytes = largest_shard_elements * element;
-
-  const WideBlock whole = WideBlock::of(layout, rows, cols);
-  WorkspaceCarver carver;
-  const size_t gathered_slot = carver.reserve(block_bytes * ranks);
-  const size_t matrix_slot = carver.reserve(rows * cols * element);
-  const IterationSlots slots = IterationSlots::reserve(carver, backend, problem.dtype, whole);
-  carver.bind(backend.workspace(carver.total_bytes(), stream));
-  char* gathered = static_cast<char*>(carver.pointer(gathered_slot));
-  char* matrix = static_cast<char*>(carver.pointer(matrix_slot));
+  const size_t block_bytes = scratch.gather_block_bytes;
+  char* gathered = scratch.at(scratch.gathered);
+  char* matrix = scratch.at(scratch.matrix);
 
   const size_t own_bytes = layout.local_elements(rank) * element;
   if (own_bytes > 0) {
@@ -270,7 +328,7 @@ void run_duplicated(Backend& backend, Communicator& comm, const NsProblem& probl
 
   // Block r of the gathered buffer is rank r's row-major shard; place it in the matrix.
   const bool row_blocks = layout.sharded_dim() == 0;
-  for (int r = 0; r < ranks; ++r) {
+  for (int r = 0; r < comm.size(); ++r) {
     if (sizes[r] == 0) continue;
     if (row_blocks) {
       const size_t bytes = sizes[r] * cols * element;
@@ -282,7 +340,8 @@ void run_duplicated(Backend& backend, Communicator& comm, const NsProblem& probl
     }
   }
 
-  iterate_on_block(backend, nullptr, problem, whole, matrix, slots.resolve(carver), stream);
+  iterate_on_block(backend, nullptr, problem, scratch.block, matrix,
+                   scratch.iteration.resolve(scratch.carver), stream);
 
   if (sizes[rank] == 0) return;
   if (row_blocks) {
@@ -293,12 +352,6 @@ void run_duplicated(Backend& backend, Communicator& comm, const NsProblem& probl
                     cols * element, sizes[rank] * element, rows, stream);
   }
 }
-
-// A sub-matrix of a row-major buffer.
-struct Block {
-  int64_t row0, col0, rows, cols;
-  int64_t elements() const { return rows * cols; }
-};
 
 // Every rank sends send_blocks[r] of its buffer `src` to rank r and receives recv_blocks[r]
 // of `dst` from rank r. Blocks are packed into contiguous staging buffers around one
@@ -339,54 +392,18 @@ void exchange_blocks(Backend& backend, Communicator& comm, size_t element, const
 // (d): the shards lie along the short side. Move them to a balanced split along the long
 // side, run (b) there, and move the result back.
 void run_redistributed(Backend& backend, Communicator& comm, const NsProblem& problem,
-                       void* local_shard, Stream stream) {
-  const ShardLayout& layout = problem.layout;
-  const int rank = comm.rank();
-  const int ranks = comm.size();
+                       const Scratch& scratch, void* local_shard, Stream stream) {
+  const Redistribution r = Redistribution::of(problem.layout, comm.rank(), comm.size());
   const size_t element = element_size(problem.dtype);
-  const int source_dim = layout.sharded_dim();  // the short side
-  const std::vector<int64_t>& source_sizes = layout.shard_sizes();
-  const std::vector<int64_t>& source_offsets = layout.shard_offsets();
-  const int64_t long_extent = source_dim == 0 ? layout.cols() : layout.rows();
-  const std::vector<int64_t> target_sizes = balanced_split(long_extent, ranks);
-  const std::vector<int64_t> target_offsets = prefix_offsets(target_sizes);
-
-  // A block given by its range along the source dim and along the target dim.
-  auto block_of = [source_dim](int64_t source_start, int64_t source_length, int64_t target_start,
-                               int64_t target_length) {
-    return source_dim == 0 ? Block{source_start, target_start, source_length, target_length}
-                           : Block{target_start, source_start, target_length, source_length};
-  };
-  std::vector<Block> to_target(ranks), from_source(ranks);
-  for (int r = 0; r < ranks; ++r) {
-    // My shard's part that becomes rank r's long-side block, in my shard's coordinates.
-    to_target[r] = block_of(0, source_sizes[rank], target_offsets[r], target_sizes[r]);
-    // Rank r's part of my long-side block, in my long-side block's coordinates.
-    from_source[r] = block_of(source_offsets[r], source_sizes[r], 0, target_sizes[rank]);
-  }
-
-  const int64_t source_ld = source_dim == 0 ? layout.cols() : source_sizes[rank];
-  const int64_t target_rows = source_dim == 0 ? layout.rows() : target_sizes[rank];
-  const int64_t target_cols = source_dim == 0 ? target_sizes[rank] : layout.cols();
-  const int64_t target_ld = target_cols;
-  const WideBlock block = WideBlock::of(layout, target_rows, target_cols);
-  const int64_t staged_elements = std::max(layout.local_elements(rank), target_rows * target_cols);
-
-  WorkspaceCarver carver;
-  const size_t target_slot = carver.reserve(target_rows * target_cols * element);
-  const size_t send_slot = carver.reserve(staged_elements * element);
-  const size_t recv_slot = carver.reserve(staged_elements * element);
-  const IterationSlots slots = IterationSlots::reserve(carver, backend, problem.dtype, block);
-  carver.bind(backend.workspace(carver.total_bytes(), stream));
-  void* target = carver.pointer(target_slot);
-  char* stage_send = static_cast<char*>(carver.pointer(send_slot));
-  char* stage_recv = static_cast<char*>(carver.pointer(recv_slot));
-
-  exchange_blocks(backend, comm, element, local_shard, source_ld, to_target, target, target_ld,
-                  from_source, stage_send, stage_recv, stream);
-  iterate_on_block(backend, &comm, problem, block, target, slots.resolve(carver), stream);
-  exchange_blocks(backend, comm, element, target, target_ld, from_source, local_shard, source_ld,
-                  to_target, stage_send, stage_recv, stream);
+  char* target = scratch.at(scratch.target);
+  char* stage_send = scratch.at(scratch.stage_send);
+  char* stage_recv = scratch.at(scratch.stage_recv);
+  exchange_blocks(backend, comm, element, local_shard, r.source_ld, r.to_target, target,
+                  r.target_cols, r.from_source, stage_send, stage_recv, stream);
+  iterate_on_block(backend, &comm, problem, scratch.block, target,
+                   scratch.iteration.resolve(scratch.carver), stream);
+  exchange_blocks(backend, comm, element, target, r.target_cols, r.from_source, local_shard,
+                  r.source_ld, r.to_target, stage_send, stage_recv, stream);
 }
 
 }  // namespace
@@ -407,20 +424,29 @@ NsPlan plan_newton_schulz(const ShardLayout& layout, int comm_size,
   return plan;
 }
 
+size_t newton_schulz_workspace_bytes(const Backend& backend, const NsProblem& problem, int rank,
+                                     int ranks) {
+  return Scratch::lay_out(backend, problem, rank, ranks).carver.total_bytes();
+}
+
 void run_newton_schulz(Backend& backend, Communicator& comm, const NsProblem& problem,
                        void* local_shard, Stream stream) {
+  Scratch scratch = Scratch::lay_out(backend, problem, comm.rank(), comm.size());
+  scratch.carver.bind(backend.workspace(scratch.carver.total_bytes(), stream));
   switch (problem.plan.algorithm) {
     case NsPlan::Algorithm::kLocal:
-      run_on_whole_matrix(backend, problem, local_shard, stream);
+      iterate_on_block(backend, nullptr, problem, scratch.block, local_shard,
+                       scratch.iteration.resolve(scratch.carver), stream);
       return;
     case NsPlan::Algorithm::kDuplicated:
-      run_duplicated(backend, comm, problem, local_shard, stream);
+      run_duplicated(backend, comm, problem, scratch, local_shard, stream);
       return;
     case NsPlan::Algorithm::kGramAllReduce:
       if (problem.plan.redistributes) {
-        run_redistributed(backend, comm, problem, local_shard, stream);
-      } else {
-        run_gram_allreduce(backend, comm, problem, local_shard, stream);
+        run_redistributed(backend, comm, problem, scratch, local_shard, stream);
+      } else {  // (b): the shards already lie along the long side
+        iterate_on_block(backend, &comm, problem, scratch.block, local_shard,
+                         scratch.iteration.resolve(scratch.carver), stream);
       }
       return;
   }

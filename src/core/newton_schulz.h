@@ -33,6 +33,10 @@ struct NsProblem {
   NsPlan plan;
 };
 
+// Bytes of workspace run_newton_schulz needs on this rank of a group of `ranks`.
+size_t newton_schulz_workspace_bytes(const Backend& backend, const NsProblem& problem, int rank,
+                                     int ranks);
+
 // Orthogonalizes this rank's shard in place. Arguments already validated and agreed on by
 // every rank; the caller's buffer is written only at the end.
 void run_newton_schulz(Backend& backend, Communicator& comm, const NsProblem& problem,

@@ -299,5 +299,39 @@ TEST_F(BadInput, CudaBackendChecksMemoryAndDtype) {
   EXPECT_EQ(host, std::vector<float>(23 * 41, 1.0f));
 }
 
+// One rank cannot allocate its workspace (its shard of a 131072 x 1048576 bf16 matrix would
+// need ~0.5 TB): it reports OUT_OF_MEMORY, the others PEER_FAILED, before any collective.
+TEST_F(BadInput, WorkspaceOutOfMemoryFailsEveryRank) {
+  if (!Harness::get().on_gpu())
+    GTEST_SKIP() << "CUDA backend only (host allocation may overcommit)";
+  const int p = Harness::get().max_group_size();
+  const Group& group = Harness::get().group(p);
+  if (!group.member) return;
+  const int64_t rows = 131072, cols = 1048576;  // long side: the columns
+  std::vector<int64_t> sizes(p, 1);
+  sizes.back() = cols - (p - 1);
+  shardmuon_layout layout{rows, cols, SHARDMUON_SHARDED_DIM1, p, sizes.data()};
+  const shardmuon_ns_options options =
+      make_options(SHARDMUON_SCHEDULE_QUINTIC, 5, SHARDMUON_NS_AUTO);
+  // The buffer only has to be device memory: a failing call must not touch it.
+  const std::vector<unsigned char> bytes(4096, 0x5A);
+  Buffer buffer = Harness::get().upload(bytes);
+  const shardmuon_status status =
+      shardmuon_newton_schulz(Harness::get().context(), group.comm, buffer.data(),
+                              SHARDMUON_BFLOAT16, &layout, &options, Harness::get().stream());
+  const std::string error = shardmuon_last_error();
+  if (group.rank == p - 1) {
+    EXPECT_EQ(status, SHARDMUON_ERROR_OUT_OF_MEMORY) << error;
+  } else {
+    EXPECT_EQ(status, SHARDMUON_ERROR_PEER_FAILED) << error;
+  }
+  EXPECT_EQ(Harness::get().download(buffer), bytes);
+  // And the context still works afterwards.
+  Call call = valid_call(group);
+  call.dtype = SHARDMUON_BFLOAT16;
+  const Outcome fine = perform(group, call);
+  EXPECT_EQ(fine.status, SHARDMUON_SUCCESS) << fine.error;
+}
+
 }  // namespace
 }  // namespace shardmuon_test
