@@ -9,6 +9,9 @@ namespace shardmuon {
 
 inline void check_cuda(cudaError_t code, const char* what) {
   if (code == cudaSuccess) return;
+  // Reset the runtime's last-error record, so a later cudaGetLastError() after a kernel
+  // launch does not report this (non-sticky) failure again.
+  cudaGetLastError();
   const shardmuon_status status =
       code == cudaErrorMemoryAllocation ? SHARDMUON_ERROR_OUT_OF_MEMORY : SHARDMUON_ERROR_CUDA;
   fail(status, what, " failed: ", cudaGetErrorName(code), " (", cudaGetErrorString(code), ")");

@@ -299,15 +299,16 @@ TEST_F(BadInput, CudaBackendChecksMemoryAndDtype) {
   EXPECT_EQ(host, std::vector<float>(23 * 41, 1.0f));
 }
 
-// One rank cannot allocate its workspace (its shard of a 131072 x 1048576 bf16 matrix would
-// need ~0.5 TB): it reports OUT_OF_MEMORY, the others PEER_FAILED, before any collective.
+// One rank cannot allocate its workspace (its shard of a 64 x 2^31 bf16 matrix needs two
+// 275 GB iterates) while the others, holding one column each, can: it reports OUT_OF_MEMORY,
+// the others PEER_FAILED, before any collective.
 TEST_F(BadInput, WorkspaceOutOfMemoryFailsEveryRank) {
   if (!Harness::get().on_gpu())
     GTEST_SKIP() << "CUDA backend only (host allocation may overcommit)";
   const int p = Harness::get().max_group_size();
   const Group& group = Harness::get().group(p);
   if (!group.member) return;
-  const int64_t rows = 131072, cols = 1048576;  // long side: the columns
+  const int64_t rows = 64, cols = int64_t{1} << 31;  // long side: the columns
   std::vector<int64_t> sizes(p, 1);
   sizes.back() = cols - (p - 1);
   shardmuon_layout layout{rows, cols, SHARDMUON_SHARDED_DIM1, p, sizes.data()};
