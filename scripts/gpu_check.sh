@@ -34,6 +34,16 @@ for ranks in 1 $([[ $gpus -ge 2 ]] && echo 2); do
   results+=("cuda tests on $ranks GPU(s): rc=$rc $(grep -E 'PASSED|FAILED  \]|SKIPPED \]' "$log" | sed 's/\x1b\[[0-9;]*m//g' | tr '\n' ' ')")
   results+=("  largest error/tolerance: $(grep -o 'ratio=[0-9.]*' "$log" | sort -t= -k2 -g | tail -1) over $(grep -c 'ratio=' "$log") checked cases")
 done
+# compute-sanitizer memcheck over a cross-section of the cases, on one GPU.
+if command -v compute-sanitizer >/dev/null 2>&1; then
+  log="$out/memcheck.log"
+  timeout 300 "${mpi[@]}" -np 1 compute-sanitizer --tool memcheck --error-exitcode 3 \
+    $build/tests/shardmuon_tests --backend=cuda --gtest_brief=1 \
+    --gtest_filter='*Layouts*67x131*:*Layouts*1x37*:*Layouts*20x3*:*Schedules*_P1:BadInput.*:*Invariants.*' \
+    >"$log" 2>&1
+  rc=$?
+  results+=("memcheck (1 GPU, subset): rc=$rc $(grep -E 'ERROR SUMMARY' "$log" | tail -1) $(grep -E 'PASSED|FAILED  \]' "$log" | sed 's/\x1b\[[0-9;]*m//g' | tr '\n' ' ')")
+fi
 if [[ "$what" == "tests" ]]; then
   printf '%s\n' "${results[@]}"
   exit 0
