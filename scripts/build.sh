@@ -14,7 +14,8 @@ fi
 
 generator=()
 if command -v ninja >/dev/null 2>&1; then generator=(-G Ninja); fi
+mkdir -p "$build_dir"
 cmake -S "$root" -B "$build_dir" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release \
-  -DSHARDMUON_WARNINGS_AS_ERRORS=ON "${cuda_flags[@]}" "$@" >"$build_dir.configure.log" 2>&1 ||
-  { cat "$build_dir.configure.log"; exit 1; }
+  -DSHARDMUON_WARNINGS_AS_ERRORS=ON "${cuda_flags[@]}" "$@" >"$build_dir/configure.log" 2>&1 ||
+  { cat "$build_dir/configure.log"; exit 1; }
 cmake --build "$build_dir" --parallel "$(nproc)"

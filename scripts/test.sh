@@ -14,7 +14,7 @@ run_suite() {  # name, build dir, extra cmake args...
   shift 2
   SHARDMUON_BUILD_DIR="$dir" "$root/scripts/build.sh" "$@"
   echo "== $name"
-  local log="$dir.ctest.log"
+  local log="$dir/ctest.log"
   if (cd "$dir" && ctest --output-on-failure 2>&1 | tee "$log"); then :; else status=1; fi
   # ctest counts launches (one per world size); the gtest cases inside them are summed here.
   local cases
@@ -34,10 +34,10 @@ run_suite "build without CUDA and MPI" "$root/build-minimal" -DSHARDMUON_WITH_CU
 # A formatted tree (the checked-in .clang-format), where clang-format is installed.
 if command -v clang-format >/dev/null 2>&1; then
   if (cd "$root" && git ls-files '*.h' '*.hpp' '*.cpp' '*.cu' '*.cuh' |
-      xargs clang-format --dry-run --Werror 2>"$root/build.format.log"); then
+      xargs clang-format --dry-run --Werror 2>"$root/build/format.log"); then
     summary+=("formatting: clean")
   else
-    head -20 "$root/build.format.log"
+    head -20 "$root/build/format.log"
     summary+=("formatting: FAILED (run clang-format -i on the files above)")
     status=1
   fi
