@@ -236,6 +236,110 @@ SHARDMUON_API shardmuon_status shardmuon_ns_plan(const shardmuon_layout* layout,
                                                  const shardmuon_ns_options* options,
                                                  shardmuon_ns_algorithm* chosen);
 
+/* ------------------------------------------------------------------------------------------ */
+/* The Muon optimizer step                                                                     */
+/* ------------------------------------------------------------------------------------------ */
+
+/* How weight decay enters the step (DESIGN.md section 1, step 1). */
+typedef enum shardmuon_weight_decay {
+  SHARDMUON_WEIGHT_DECAY_DECOUPLED = 0,   /* W <- W (1 - lr wd) */
+  SHARDMUON_WEIGHT_DECAY_L2 = 1,          /* G <- G + wd W (the caller's grad is not written) */
+  SHARDMUON_WEIGHT_DECAY_INDEPENDENT = 2, /* W <- W (1 - wd) */
+  SHARDMUON_WEIGHT_DECAY_NONE = 3
+} shardmuon_weight_decay;
+
+/* The scale of the orthogonalized update, from the logical shape m x n (rows x cols). */
+typedef enum shardmuon_scale_mode {
+  SHARDMUON_SCALE_SPECTRAL = 0,      /* sqrt(max(m, n)) */
+  SHARDMUON_SCALE_SHAPE_SCALING = 1, /* sqrt(max(1, m / n)) */
+  SHARDMUON_SCALE_UNIT_RMS_NORM = 2, /* sqrt(m / n) */
+  SHARDMUON_SCALE_NONE = 3           /* 1 */
+} shardmuon_scale_mode;
+
+/* The hyperparameters of a parameter group. One step, per parameter W with gradient G and
+ * momentum buffer M:
+ *   weight decay (see shardmuon_weight_decay);
+ *   M <- lerp(M, G, 1 - momentum);
+ *   U = nesterov ? lerp(G, M, momentum) : M            (a new buffer; M is not touched again)
+ *   O = NewtonSchulz(U)                                  (ns, in the parameter's layout)
+ *   W <- W - lr * extra_scale_factor * scale(m, n) * O */
+typedef struct shardmuon_muon_group {
+  double lr;       /* may change every step */
+  double momentum; /* beta, in [0, 1) */
+  int nesterov;    /* 0 or 1 */
+  double weight_decay;
+  shardmuon_weight_decay weight_decay_mode;
+  shardmuon_scale_mode scale_mode;
+  double extra_scale_factor; /* 0.2 with SPECTRAL is the Moonlight "match AdamW RMS" rule */
+  shardmuon_ns_options ns;
+} shardmuon_muon_group;
+
+/* Fills *group with TransformerEngine's defaults: lr 3e-4, momentum 0.95, Nesterov,
+ * weight decay 0.01 decoupled, spectral scale, extra_scale_factor 1, and
+ * shardmuon_ns_options_default (quintic, 5 steps, eps 1e-7). */
+SHARDMUON_API shardmuon_status shardmuon_muon_group_default(shardmuon_muon_group* group);
+
+/* One parameter of a step. The three buffers are this rank's shards in the layout, of one
+ * dtype, owned by the caller, and must not overlap. A rank whose shard is empty may pass NULL
+ * for all three. */
+typedef struct shardmuon_muon_param {
+  void* param;
+  const void* grad;
+  void* momentum;
+  shardmuon_dtype dtype; /* of param, grad and momentum */
+  shardmuon_layout layout;
+  int group; /* index into the groups of the step */
+  /* 1: the parameter has no gradient this step; it is skipped and its momentum left as it
+   * is (grad is not read). Every rank of the communicator must say the same (checked: a rank
+   * that disagrees makes every rank return RANK_MISMATCH). 0, the zero-initialized value,
+   * means grad is this step's gradient. */
+  int no_grad;
+} shardmuon_muon_param;
+
+/* One Muon step over a batch of parameters, in place on param and momentum; grad is only
+ * read. Collective over comm: every rank passes the same parameters (shapes, layouts, dtypes,
+ * groups, which grads are absent) and the same hyperparameters, in the same order, each with
+ * its own shards; the ranks check this before any collective, and any invalid argument or
+ * disagreement makes every rank return an error with nothing modified. Elementwise work is
+ * fused on the GPU: one pass for weight decay + momentum + Nesterov, one for scale + update. */
+SHARDMUON_API shardmuon_status shardmuon_muon_step(
+    shardmuon_context_t context, shardmuon_comm_t comm, const shardmuon_muon_param* params,
+    int num_params, const shardmuon_muon_group* groups, int num_groups, void* stream);
+
+/* ------------------------------------------------------------------------------------------ */
+/* Optimizer checkpoints                                                                       */
+/* ------------------------------------------------------------------------------------------ */
+
+/* The state of a Muon optimizer: each parameter's momentum buffer (with its logical shape and
+ * this rank's place in it), the step count and the groups' hyperparameters. The format is
+ * documented in docs/CHECKPOINT.md: one safetensors file per rank plus an index written last,
+ * each file replaced atomically (temporary file, then rename), with a CRC-32 per tensor.
+ * Loading does not depend on how the state was sharded when saved: a checkpoint saved on 2
+ * ranks loads on 1 or on 3, with other shard sizes or another partition. */
+
+/* Writes the state into directory (created if missing). Collective over comm. names are the
+ * parameters' unique names (at most 200 bytes of [A-Za-z0-9_.-]); grad pointers are ignored.
+ * Blocks until the files are written; the device work already on stream is waited for. */
+SHARDMUON_API shardmuon_status shardmuon_muon_save(shardmuon_context_t context,
+                                                   shardmuon_comm_t comm, const char* directory,
+                                                   const shardmuon_muon_param* params,
+                                                   const char* const* names, int num_params,
+                                                   const shardmuon_muon_group* groups,
+                                                   int num_groups, int64_t step, void* stream);
+
+/* Reads the state saved in directory into the momentum buffers of params (matched by name;
+ * the layouts and dtypes may differ from the saved ones), and returns the step count and,
+ * if groups is not NULL, the saved hyperparameters (num_groups must match the saved count).
+ * Collective over comm. Everything is read and checked (sizes, checksums, coverage of every
+ * parameter) before any buffer is written: on any error every rank returns it and no
+ * momentum buffer, step or group is modified. */
+SHARDMUON_API shardmuon_status shardmuon_muon_load(shardmuon_context_t context,
+                                                   shardmuon_comm_t comm, const char* directory,
+                                                   const shardmuon_muon_param* params,
+                                                   const char* const* names, int num_params,
+                                                   shardmuon_muon_group* groups, int num_groups,
+                                                   int64_t* step, void* stream);
+
 #ifdef __cplusplus
 } /* extern "C" */
 #endif

@@ -36,6 +36,23 @@ struct GemmCall {
   shardmuon_dtype cd_type = SHARDMUON_FLOAT32;
 };
 
+// Steps 1-3 of a Muon step, fused into one elementwise pass (float32 arithmetic, float64
+// for float64 storage): with g = grad + l2_decay * param,
+//   momentum <- lerp(momentum, g, 1 - beta)
+//   update    = nesterov ? lerp(g, momentum, beta) : momentum
+// param is read only when l2_decay != 0. update is a separate buffer.
+struct MomentumPass {
+  const void* grad = nullptr;
+  const void* param = nullptr;
+  void* momentum = nullptr;
+  void* update = nullptr;
+  shardmuon_dtype dtype = SHARDMUON_FLOAT32;
+  int64_t count = 0;
+  double beta = 0.0;
+  bool nesterov = false;
+  double l2_decay = 0.0;
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -72,6 +89,11 @@ class Backend {
 
   virtual void gemm(const GemmCall& call, Stream stream) = 0;
 
+  virtual void momentum_pass(const MomentumPass& pass, Stream stream) = 0;
+  // Steps 1 and 6 fused: param <- param * decay - step_size * update.
+  virtual void update_pass(void* param, const void* update, shardmuon_dtype dtype, int64_t count,
+                           double decay, double step_size, Stream stream) = 0;
+
   // dst = src + shift * I for an n x n matrix, converted from src_type to dst_type (rounded
   // once, to nearest even). src and dst may be the same buffer when the types are equal.
   virtual void shift_diagonal(const void* src, shardmuon_dtype src_type, void* dst,
@@ -83,6 +105,12 @@ class Backend {
   virtual void copy_2d(void* dst, size_t dst_pitch, const void* src, size_t src_pitch,
                        size_t row_bytes, size_t rows, Stream stream) = 0;
   virtual void fill_zero(void* dst, size_t bytes, Stream stream) = 0;
+
+  // Copies between the backend's memory and the host, ordered on the stream; synchronize
+  // waits for the stream (the CPU backend computes before returning and waits for nothing).
+  virtual void copy_to_host(void* host, const void* src, size_t bytes, Stream stream) = 0;
+  virtual void copy_from_host(void* dst, const void* host, size_t bytes, Stream stream) = 0;
+  virtual void synchronize(Stream stream) = 0;
 };
 
 }  // namespace shardmuon

@@ -430,9 +430,11 @@ size_t newton_schulz_workspace_bytes(const Backend& backend, const NsProblem& pr
 }
 
 void run_newton_schulz(Backend& backend, Communicator& comm, const NsProblem& problem,
-                       void* local_shard, Stream stream) {
+                       void* local_shard, Stream stream, size_t workspace_offset) {
   Scratch scratch = Scratch::lay_out(backend, problem, comm.rank(), comm.size());
-  scratch.carver.bind(backend.workspace(scratch.carver.total_bytes(), stream));
+  char* base = static_cast<char*>(
+      backend.workspace(workspace_offset + scratch.carver.total_bytes(), stream));
+  scratch.carver.bind(base + workspace_offset);
   switch (problem.plan.algorithm) {
     case NsPlan::Algorithm::kLocal:
       iterate_on_block(backend, nullptr, problem, scratch.block, local_shard,

@@ -38,8 +38,9 @@ size_t newton_schulz_workspace_bytes(const Backend& backend, const NsProblem& pr
                                      int ranks);
 
 // Orthogonalizes this rank's shard in place. Arguments already validated and agreed on by
-// every rank; the caller's buffer is written only at the end.
+// every rank; the caller's buffer is written only at the end. The scratch starts at
+// workspace_offset bytes into the backend's workspace (what lies before it is the caller's).
 void run_newton_schulz(Backend& backend, Communicator& comm, const NsProblem& problem,
-                       void* local_shard, Stream stream);
+                       void* local_shard, Stream stream, size_t workspace_offset = 0);
 
 }  // namespace shardmuon

@@ -151,6 +151,36 @@ class CpuBackend final : public Backend {
     }
   }
 
+  void momentum_pass(const MomentumPass& pass, Stream) override {
+    if (pass.dtype == SHARDMUON_FLOAT64) {
+      momentum_pass_as<double>(pass);
+    } else {  // the CUDA kernel's float32 arithmetic
+      momentum_pass_as<float>(pass);
+    }
+  }
+
+  void update_pass(void* param, const void* update, shardmuon_dtype dtype, int64_t count,
+                   double decay, double step_size, Stream) override {
+    for (int64_t i = 0; i < count; ++i) {
+      if (dtype == SHARDMUON_FLOAT64) {
+        store(param, dtype, i, load(param, dtype, i) * decay - step_size * load(update, dtype, i));
+      } else {
+        const float value =
+            static_cast<float>(load(param, dtype, i)) * static_cast<float>(decay) -
+            static_cast<float>(step_size) * static_cast<float>(load(update, dtype, i));
+        store(param, dtype, i, value);
+      }
+    }
+  }
+
+  void copy_to_host(void* host, const void* src, size_t bytes, Stream) override {
+    if (bytes > 0) std::memcpy(host, src, bytes);
+  }
+  void copy_from_host(void* dst, const void* host, size_t bytes, Stream) override {
+    if (bytes > 0) std::memcpy(dst, host, bytes);
+  }
+  void synchronize(Stream) override {}
+
   void shift_diagonal(const void* src, shardmuon_dtype src_type, void* dst,
                       shardmuon_dtype dst_type, int64_t n, double shift, Stream) override {
     for (int64_t i = 0; i < n; ++i) {
@@ -184,6 +214,21 @@ class CpuBackend final : public Backend {
   void fill_zero(void* dst, size_t bytes, Stream) override { std::memset(dst, 0, bytes); }
 
  private:
+  template <typename T>
+  void momentum_pass_as(const MomentumPass& pass) {
+    const T beta = static_cast<T>(pass.beta), weight = static_cast<T>(1.0 - pass.beta);
+    const T l2 = static_cast<T>(pass.l2_decay);
+    for (int64_t i = 0; i < pass.count; ++i) {
+      T g = static_cast<T>(load(pass.grad, pass.dtype, i));
+      if (pass.l2_decay != 0.0) g += l2 * static_cast<T>(load(pass.param, pass.dtype, i));
+      T m = static_cast<T>(load(pass.momentum, pass.dtype, i));
+      m += weight * (g - m);  // lerp(m, g, 1 - beta)
+      store(pass.momentum, pass.dtype, i, m);
+      // Nesterov uses m before it is rounded to the storage dtype, as the GPU kernel does.
+      store(pass.update, pass.dtype, i, pass.nesterov ? g + beta * (m - g) : m);
+    }
+  }
+
   const float* widen(const void* data, shardmuon_dtype dtype, int64_t count,
                      std::vector<float>& buffer) {
     if (dtype == SHARDMUON_FLOAT32) return static_cast<const float*>(data);

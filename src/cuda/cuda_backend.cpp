@@ -10,6 +10,7 @@
 #include "cuda/cuda_check.h"
 #include "cuda/cuda_handles.h"
 #include "cuda/elementwise.cuh"
+#include "cuda/muon_kernels.cuh"
 
 namespace shardmuon {
 namespace {
@@ -116,6 +117,29 @@ class CudaBackend final : public Backend {
   }
 
   void gemm(const GemmCall& call, Stream stream) override { gemm_->run(call, as_cuda(stream)); }
+
+  void momentum_pass(const MomentumPass& pass, Stream stream) override {
+    momentum_pass_cuda(pass, as_cuda(stream));
+  }
+
+  void update_pass(void* param, const void* update, shardmuon_dtype dtype, int64_t count,
+                   double decay, double step_size, Stream stream) override {
+    update_pass_cuda(param, update, dtype, count, decay, step_size, as_cuda(stream));
+  }
+
+  void copy_to_host(void* host, const void* src, size_t bytes, Stream stream) override {
+    if (bytes == 0) return;
+    SHARDMUON_CUDA(cudaMemcpyAsync(host, src, bytes, cudaMemcpyDeviceToHost, as_cuda(stream)));
+  }
+
+  void copy_from_host(void* dst, const void* host, size_t bytes, Stream stream) override {
+    if (bytes == 0) return;
+    SHARDMUON_CUDA(cudaMemcpyAsync(dst, host, bytes, cudaMemcpyHostToDevice, as_cuda(stream)));
+  }
+
+  void synchronize(Stream stream) override {
+    SHARDMUON_CUDA(cudaStreamSynchronize(as_cuda(stream)));
+  }
 
   void shift_diagonal(const void* src, shardmuon_dtype src_type, void* dst,
                       shardmuon_dtype dst_type, int64_t n, double shift, Stream stream) override {

@@ -146,6 +146,35 @@ Matrix reference_newton_schulz(const Matrix& w, const std::vector<Triple>& coeff
   return x;
 }
 
+void reference_muon_step(Matrix& w, const Matrix& g, Matrix& m, const ReferenceGroup& group) {
+  const double lr = group.lr, wd = group.weight_decay, beta = group.momentum;
+  Matrix grad = g;
+  if (group.weight_decay_mode == SHARDMUON_WEIGHT_DECAY_L2) {
+    for (size_t i = 0; i < grad.values.size(); ++i) grad.values[i] += wd * w.values[i];
+  }
+  Matrix update(w.rows, w.cols);
+  for (size_t i = 0; i < m.values.size(); ++i) {
+    m.values[i] = beta * m.values[i] + (1 - beta) * grad.values[i];
+    update.values[i] =
+        group.nesterov ? (1 - beta) * grad.values[i] + beta * m.values[i] : m.values[i];
+  }
+  const Matrix o = reference_newton_schulz(update, group.coefficients, group.eps);
+  const double rows = static_cast<double>(w.rows), cols = static_cast<double>(w.cols);
+  double scale = 1.0;
+  switch (group.scale_mode) {
+    case SHARDMUON_SCALE_SPECTRAL: scale = std::sqrt(std::max(rows, cols)); break;
+    case SHARDMUON_SCALE_SHAPE_SCALING: scale = std::sqrt(std::max(1.0, rows / cols)); break;
+    case SHARDMUON_SCALE_UNIT_RMS_NORM: scale = std::sqrt(rows / cols); break;
+    case SHARDMUON_SCALE_NONE: scale = 1.0; break;
+  }
+  double decay = 1.0;
+  if (group.weight_decay_mode == SHARDMUON_WEIGHT_DECAY_DECOUPLED) decay = 1 - lr * wd;
+  if (group.weight_decay_mode == SHARDMUON_WEIGHT_DECAY_INDEPENDENT) decay = 1 - wd;
+  for (size_t i = 0; i < w.values.size(); ++i) {
+    w.values[i] = w.values[i] * decay - lr * group.extra_scale_factor * scale * o.values[i];
+  }
+}
+
 Matrix torch_form_bf16_newton_schulz(const Matrix& w, const std::vector<Triple>& coefficients,
                                      double eps) {
   auto round_all = [](Matrix m) {

@@ -56,6 +56,22 @@ Matrix random_with_singular_values(int64_t rows, int64_t cols, double low, doubl
 Matrix reference_newton_schulz(const Matrix& w, const std::vector<Triple>& coefficients,
                                double eps);
 
+// A Muon group's hyperparameters for the oracle (the enums are the library's, the arithmetic
+// is the oracle's own).
+struct ReferenceGroup {
+  double lr = 0.02, momentum = 0.9;
+  bool nesterov = true;
+  double weight_decay = 0.1;
+  shardmuon_weight_decay weight_decay_mode = SHARDMUON_WEIGHT_DECAY_DECOUPLED;
+  shardmuon_scale_mode scale_mode = SHARDMUON_SCALE_SPECTRAL;
+  double extra_scale_factor = 1.0;
+  std::vector<Triple> coefficients;
+  double eps = 1e-7;
+};
+
+// One Muon step on whole matrices in float64 (DESIGN.md section 1), in place on w and m.
+void reference_muon_step(Matrix& w, const Matrix& g, Matrix& m, const ReferenceGroup& group);
+
 // torch.optim.Muon's Newton-Schulz in bf16, emulated: every product and sum rounded to bf16
 // (A = XX^T, B = b A + c A@A, X = a X + B@X), in the smaller Gram orientation. The accuracy
 // baseline a single-GPU Muon user has today.

@@ -1,0 +1,62 @@
+// The C entry points of the Muon step.
+#include <exception>
+#include <new>
+#include <optional>
+
+#include "api/handles.h"
+#include "core/agreement.h"
+#include "core/api_guard.h"
+#include "core/muon_step.h"
+
+using shardmuon::api_guard;
+
+extern "C" {
+
+shardmuon_status shardmuon_muon_group_default(shardmuon_muon_group* group) {
+  return api_guard(__func__, [&] {
+    SHARDMUON_CHECK_ARG(group != nullptr, "group is NULL");
+    *group = shardmuon_muon_group{};
+    group->lr = 3e-4;
+    group->momentum = 0.95;
+    group->nesterov = 1;
+    group->weight_decay = 0.01;
+    group->weight_decay_mode = SHARDMUON_WEIGHT_DECAY_DECOUPLED;
+    group->scale_mode = SHARDMUON_SCALE_SPECTRAL;
+    group->extra_scale_factor = 1.0;
+    if (shardmuon_ns_options_default(&group->ns) != SHARDMUON_SUCCESS) {
+      shardmuon::fail(SHARDMUON_ERROR_INTERNAL, "shardmuon_ns_options_default failed");
+    }
+  });
+}
+
+shardmuon_status shardmuon_muon_step(shardmuon_context_t context, shardmuon_comm_t comm,
+                                     const shardmuon_muon_param* params, int num_params,
+                                     const shardmuon_muon_group* groups, int num_groups,
+                                     void* stream) {
+  return api_guard(__func__, [&] {
+    shardmuon::Communicator& group = shardmuon::communicator_of(comm, "comm");
+    shardmuon::Backend* backend = nullptr;
+    shardmuon::ValidatedMuonStep step;
+    std::optional<shardmuon::BackendCallScope> scope;
+    std::exception_ptr local_error;
+    try {
+      backend = &shardmuon::backend_of(context, "context");
+      group.check_compatible(*backend);
+      step = shardmuon::validate_muon_step(*backend, group, params, num_params, groups, num_groups);
+      // The workspace grows before the ranks agree, so running out of memory is reported to
+      // every rank instead of stranding the others in a collective.
+      scope.emplace(*backend, stream);
+      backend->workspace(
+          shardmuon::muon_step_workspace_bytes(*backend, step, group.rank(), group.size()), stream);
+    } catch (const shardmuon::Failure&) {
+      local_error = std::current_exception();
+    } catch (const std::bad_alloc&) {
+      local_error = std::make_exception_ptr(shardmuon::Failure(
+          SHARDMUON_ERROR_OUT_OF_MEMORY, "out of host memory for the workspace"));
+    }
+    shardmuon::agree_across_ranks(group, local_error, step.digest, step.description);
+    shardmuon::run_muon_step(*backend, group, step, stream);
+  });
+}
+
+}  // extern "C"

@@ -1,0 +1,230 @@
+#include "core/muon_step.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <sstream>
+
+#include "core/agreement.h"
+#include "core/dtype.h"
+#include "core/error.h"
+#include "core/schedule.h"
+#include "core/workspace_carver.h"
+
+namespace shardmuon {
+namespace {
+
+bool is_valid_weight_decay(int mode) {
+  return mode >= SHARDMUON_WEIGHT_DECAY_DECOUPLED && mode <= SHARDMUON_WEIGHT_DECAY_NONE;
+}
+bool is_valid_scale_mode(int mode) {
+  return mode >= SHARDMUON_SCALE_SPECTRAL && mode <= SHARDMUON_SCALE_NONE;
+}
+
+size_t aligned_bytes(size_t bytes) {
+  return (bytes + WorkspaceCarver::kAlignment - 1) / WorkspaceCarver::kAlignment *
+         WorkspaceCarver::kAlignment;
+}
+
+// A caller's buffer, for the overlap check.
+struct BufferRange {
+  uintptr_t begin, end;
+  int param;
+  const char* field;
+};
+
+void check_buffer(const Backend& backend, const void* pointer, const char* field, int index,
+                  int64_t elements, shardmuon_dtype dtype, std::vector<BufferRange>& ranges) {
+  std::ostringstream name;
+  name << "params[" << index << "]." << field;
+  SHARDMUON_CHECK_ARG(pointer != nullptr, name.str(), " is NULL but this rank's shard holds ",
+                      elements, " elements");
+  SHARDMUON_CHECK_ARG(reinterpret_cast<uintptr_t>(pointer) % element_size(dtype) == 0, name.str(),
+                      " (", pointer, ") is not aligned to the ", element_size(dtype),
+                      "-byte elements of ", dtype_name(dtype));
+  backend.check_pointer(pointer, name.str().c_str());
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(pointer);
+  ranges.push_back({begin, begin + elements * element_size(dtype), index, field});
+}
+
+}  // namespace
+
+double muon_update_scale(shardmuon_scale_mode mode, int64_t rows, int64_t cols) {
+  const double m = static_cast<double>(rows), n = static_cast<double>(cols);
+  switch (mode) {
+    case SHARDMUON_SCALE_SPECTRAL: return std::sqrt(std::max(m, n));
+    case SHARDMUON_SCALE_SHAPE_SCALING: return std::sqrt(std::max(1.0, m / n));
+    case SHARDMUON_SCALE_UNIT_RMS_NORM: return std::sqrt(m / n);
+    case SHARDMUON_SCALE_NONE: return 1.0;
+  }
+  fail(SHARDMUON_ERROR_INTERNAL, "unknown scale mode ", static_cast<int>(mode));
+}
+
+void validate_muon_group(const shardmuon_muon_group& group, int index) {
+  const std::string name = "groups[" + std::to_string(index) + "]";
+  SHARDMUON_CHECK_ARG(std::isfinite(group.lr) && group.lr >= 0, name,
+                      ".lr must be finite and >= 0, got ", group.lr);
+  SHARDMUON_CHECK_ARG(group.momentum >= 0 && group.momentum < 1, name,
+                      ".momentum must be in [0, 1), got ", group.momentum);
+  SHARDMUON_CHECK_ARG(group.nesterov == 0 || group.nesterov == 1, name,
+                      ".nesterov must be 0 or 1, got ", group.nesterov);
+  SHARDMUON_CHECK_ARG(std::isfinite(group.weight_decay) && group.weight_decay >= 0, name,
+                      ".weight_decay must be finite and >= 0, got ", group.weight_decay);
+  SHARDMUON_CHECK_ARG(is_valid_weight_decay(group.weight_decay_mode), name,
+                      ".weight_decay_mode is unknown: ", static_cast<int>(group.weight_decay_mode));
+  SHARDMUON_CHECK_ARG(is_valid_scale_mode(group.scale_mode), name,
+                      ".scale_mode is unknown: ", static_cast<int>(group.scale_mode));
+  SHARDMUON_CHECK_ARG(std::isfinite(group.extra_scale_factor), name,
+                      ".extra_scale_factor must be finite, got ", group.extra_scale_factor);
+  try {
+    validate_ns_options(group.ns);
+  } catch (const Failure& e) {
+    // "options->..." from the Newton-Schulz check becomes "groups[i].ns...".
+    std::string message = e.what();
+    const std::string from = "options->";
+    for (size_t at = message.find(from); at != std::string::npos; at = message.find(from)) {
+      message.replace(at, from.size(), name + ".ns.");
+    }
+    throw Failure(e.status(), message);
+  }
+}
+
+ValidatedMuonStep validate_muon_step(const Backend& backend, const Communicator& comm,
+                                     const shardmuon_muon_param* params, int num_params,
+                                     const shardmuon_muon_group* groups, int num_groups,
+                                     bool use_grads) {
+  SHARDMUON_CHECK_ARG(num_params >= 0, "num_params must be >= 0, got ", num_params);
+  SHARDMUON_CHECK_ARG(num_params == 0 || params != nullptr, "params is NULL but num_params is ",
+                      num_params);
+  SHARDMUON_CHECK_ARG(num_groups >= 1, "num_groups must be >= 1, got ", num_groups);
+  SHARDMUON_CHECK_ARG(groups != nullptr, "groups is NULL");
+  for (int g = 0; g < num_groups; ++g) validate_muon_group(groups[g], g);
+
+  ValidatedMuonStep step;
+  Digest digest;
+  digest.add(num_params).add(num_groups).add(backend.kind()).add(use_grads);
+  for (int g = 0; g < num_groups; ++g) {
+    const shardmuon_muon_group& group = groups[g];
+    digest.add(group.lr).add(group.momentum).add(group.nesterov).add(group.weight_decay);
+    digest.add(group.weight_decay_mode).add(group.scale_mode).add(group.extra_scale_factor);
+    for (const Coefficients& k : coefficients_for(group.ns)) digest.add(k.a).add(k.b).add(k.c);
+    digest.add(group.ns.eps).add(group.ns.algorithm);
+  }
+
+  std::vector<BufferRange> ranges;
+  for (int i = 0; i < num_params; ++i) {
+    const shardmuon_muon_param& p = params[i];
+    const std::string name = "params[" + std::to_string(i) + "]";
+    SHARDMUON_CHECK_ARG(p.group >= 0 && p.group < num_groups, name, ".group (", p.group,
+                        ") is not a group index in [0, ", num_groups, ")");
+    SHARDMUON_CHECK_ARG(is_valid_dtype(p.dtype), name,
+                        ".dtype is unknown: ", static_cast<int>(p.dtype));
+    backend.check_dtype(p.dtype);
+    ShardLayout layout;
+    try {
+      layout = ShardLayout::from_api(p.layout, comm.size());
+    } catch (const Failure& e) {  // "layout->rows" becomes "params[i].layout.rows"
+      std::string message = e.what();
+      const std::string from = "layout->";
+      for (size_t at = message.find(from); at != std::string::npos; at = message.find(from)) {
+        message.replace(at, from.size(), name + ".layout.");
+      }
+      throw Failure(e.status(), message);
+    }
+    const shardmuon_muon_group& group = groups[p.group];
+    MuonParamPlan plan;
+    plan.param = &p;
+    SHARDMUON_CHECK_ARG(p.no_grad == 0 || p.no_grad == 1, name, ".no_grad must be 0 or 1, got ",
+                        p.no_grad);
+    plan.has_grad = use_grads && p.no_grad == 0;
+    plan.beta = group.momentum;
+    plan.nesterov = group.nesterov != 0;
+    const double lr = group.lr, wd = group.weight_decay;
+    switch (group.weight_decay_mode) {
+      case SHARDMUON_WEIGHT_DECAY_DECOUPLED: plan.decay = 1.0 - lr * wd; break;
+      case SHARDMUON_WEIGHT_DECAY_INDEPENDENT: plan.decay = 1.0 - wd; break;
+      case SHARDMUON_WEIGHT_DECAY_L2: plan.l2_decay = wd; break;
+      case SHARDMUON_WEIGHT_DECAY_NONE: break;
+    }
+    plan.step_size = lr * group.extra_scale_factor *
+                     muon_update_scale(group.scale_mode, layout.rows(), layout.cols());
+    const int64_t elements = layout.local_elements(comm.rank());
+    if (elements > 0) {
+      check_buffer(backend, p.param, "param", i, elements, p.dtype, ranges);
+      check_buffer(backend, p.momentum, "momentum", i, elements, p.dtype, ranges);
+      if (plan.has_grad) check_buffer(backend, p.grad, "grad", i, elements, p.dtype, ranges);
+    }
+    plan.ns = NsProblem{p.dtype, layout, coefficients_for(group.ns), group.ns.eps,
+                        plan_newton_schulz(layout, comm.size(), group.ns.algorithm)};
+
+    digest.add(p.dtype).add(p.layout.rows).add(p.layout.cols).add(p.layout.partition);
+    for (int64_t size : layout.shard_sizes()) digest.add(size);
+    digest.add(p.group).add(plan.has_grad);
+    step.plans.push_back(std::move(plan));
+  }
+
+  // No two of the caller's buffers may share memory: the step writes param and momentum.
+  std::sort(ranges.begin(), ranges.end(),
+            [](const BufferRange& a, const BufferRange& b) { return a.begin < b.begin; });
+  for (size_t k = 1; k < ranges.size(); ++k) {
+    const BufferRange& a = ranges[k - 1];
+    const BufferRange& b = ranges[k];
+    SHARDMUON_CHECK_ARG(b.begin >= a.end, "params[", a.param, "].", a.field, " and params[",
+                        b.param, "].", b.field, " overlap in memory");
+  }
+
+  step.digest = digest.value();
+  std::ostringstream description;
+  description << num_params << " parameters in " << num_groups << " groups (group 0: lr "
+              << groups[0].lr << ", momentum " << groups[0].momentum << ")";
+  for (int i = 0; i < std::min(num_params, 3); ++i) {
+    description << "; params[" << i << "]: " << step.plans[i].ns.layout.describe() << " "
+                << dtype_name(params[i].dtype) << (step.plans[i].has_grad ? "" : " without grad");
+  }
+  step.description = description.str();
+  return step;
+}
+
+size_t muon_step_workspace_bytes(const Backend& backend, const ValidatedMuonStep& step, int rank,
+                                 int ranks) {
+  size_t largest = 0;
+  for (const MuonParamPlan& plan : step.plans) {
+    if (!plan.has_grad) continue;
+    const size_t update =
+        aligned_bytes(plan.ns.layout.local_elements(rank) * element_size(plan.ns.dtype));
+    largest =
+        std::max(largest, update + newton_schulz_workspace_bytes(backend, plan.ns, rank, ranks));
+  }
+  return largest;
+}
+
+void run_muon_step(Backend& backend, Communicator& comm, const ValidatedMuonStep& step,
+                   Stream stream) {
+  // Grown once up front: a later, larger request would move the buffer under the update.
+  backend.workspace(muon_step_workspace_bytes(backend, step, comm.rank(), comm.size()), stream);
+  for (const MuonParamPlan& plan : step.plans) {
+    if (!plan.has_grad) continue;  // skipped on every rank alike (the digest saw to it)
+    const shardmuon_muon_param& p = *plan.param;
+    const int64_t count = plan.ns.layout.local_elements(comm.rank());
+    // The update U lives at the start of the workspace; Newton-Schulz's scratch follows.
+    const size_t update_bytes = aligned_bytes(count * element_size(p.dtype));
+    void* update = backend.workspace(update_bytes, stream);
+
+    MomentumPass pass;
+    pass.grad = p.grad;
+    pass.param = plan.l2_decay != 0.0 ? p.param : nullptr;
+    pass.momentum = p.momentum;
+    pass.update = update;
+    pass.dtype = p.dtype;
+    pass.count = count;
+    pass.beta = plan.beta;
+    pass.nesterov = plan.nesterov;
+    pass.l2_decay = plan.l2_decay;
+    backend.momentum_pass(pass, stream);
+
+    run_newton_schulz(backend, comm, plan.ns, update, stream, update_bytes);
+    backend.update_pass(p.param, update, p.dtype, count, plan.decay, plan.step_size, stream);
+  }
+}
+
+}  // namespace shardmuon

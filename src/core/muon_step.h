@@ -1,0 +1,56 @@
+// The Muon optimizer step over a batch of parameters (DESIGN.md section 1), written once
+// against the Backend and Communicator interfaces: per parameter, the fused momentum pass,
+// the distributed Newton-Schulz of the update, and the fused update pass.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "comm/communicator.h"
+#include "core/backend.h"
+#include "core/newton_schulz.h"
+
+namespace shardmuon {
+
+// One parameter of a validated step.
+struct MuonParamPlan {
+  const shardmuon_muon_param* param = nullptr;  // the caller's pointers
+  NsProblem ns;                                 // its layout, dtype and the group's schedule
+  bool has_grad = false;
+  double decay = 1.0;      // param <- param * decay - step_size * O
+  double step_size = 0.0;  // lr * extra_scale_factor * scale(m, n)
+  double l2_decay = 0.0;   // g = grad + l2_decay * param
+  double beta = 0.0;
+  bool nesterov = false;
+};
+
+struct ValidatedMuonStep {
+  std::vector<MuonParamPlan> plans;
+  uint64_t digest = 0;
+  std::string description;
+};
+
+// The scale of the orthogonalized update for a logical rows x cols matrix.
+double muon_update_scale(shardmuon_scale_mode mode, int64_t rows, int64_t cols);
+
+// Checks a group's hyperparameters; messages name "groups[index]".
+void validate_muon_group(const shardmuon_muon_group& group, int index);
+
+// Checks everything a step needs on this rank alone (pointers, alignment, overlaps, layouts,
+// dtypes, groups) and computes what must agree across ranks. Throws INVALID_ARGUMENT naming
+// the parameter and field at fault. With require_grads false, grad pointers are ignored
+// (checkpoints use the same checks).
+ValidatedMuonStep validate_muon_step(const Backend& backend, const Communicator& comm,
+                                     const shardmuon_muon_param* params, int num_params,
+                                     const shardmuon_muon_group* groups, int num_groups,
+                                     bool use_grads = true);
+
+// Bytes of workspace a step needs on this rank: the largest parameter's update buffer and
+// Newton-Schulz scratch.
+size_t muon_step_workspace_bytes(const Backend& backend, const ValidatedMuonStep& step, int rank,
+                                 int ranks);
+
+void run_muon_step(Backend& backend, Communicator& comm, const ValidatedMuonStep& step,
+                   Stream stream);
+
+}  // namespace shardmuon

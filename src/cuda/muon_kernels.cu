@@ -1,0 +1,175 @@
+// The two elementwise passes of a Muon step. Both are bound by memory bandwidth, so each
+// touches every byte once: the momentum pass reads grad and momentum (and param for L2
+// decay) and writes momentum and the update; the update pass reads param and the
+// orthogonalized update and writes param. Each thread moves 16 bytes per access when every
+// pointer allows it.
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "core/error.h"
+#include "cuda/cuda_check.h"
+#include "cuda/muon_kernels.cuh"
+
+namespace shardmuon {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kVectorBytes = 16;
+
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Vector {
+  T values[N];
+};
+
+__device__ __forceinline__ float widen(float x) {
+  return x;
+}
+__device__ __forceinline__ float widen(__nv_bfloat16 x) {
+  return __bfloat162float(x);
+}
+template <typename T>
+__device__ __forceinline__ T narrow(float x);
+template <>
+__device__ __forceinline__ float narrow<float>(float x) {
+  return x;
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 narrow<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+
+// Each thread handles N consecutive elements per access; count is in elements and a multiple
+// of N (the caller runs the remainder with N = 1).
+template <typename T, int N, bool kNesterov, bool kL2>
+__global__ void momentum_kernel(const T* __restrict__ grad, const T* __restrict__ param,
+                                T* __restrict__ momentum, T* __restrict__ update, int64_t count,
+                                float beta, float l2_decay) {
+  using V = Vector<T, N>;
+  const float weight = 1.0f - beta;
+  for (int64_t i = (blockIdx.x * int64_t{blockDim.x} + threadIdx.x) * N; i < count;
+       i += int64_t{gridDim.x} * blockDim.x * N) {
+    const V g_in = *reinterpret_cast<const V*>(grad + i);
+    V m_io = *reinterpret_cast<const V*>(momentum + i);
+    V p_in;
+    if constexpr (kL2) p_in = *reinterpret_cast<const V*>(param + i);
+    V u_out;
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      float g = widen(g_in.values[j]);
+      if constexpr (kL2) g = fmaf(l2_decay, widen(p_in.values[j]), g);
+      float m = widen(m_io.values[j]);
+      m = fmaf(weight, g - m, m);  // lerp(m, g, 1 - beta)
+      m_io.values[j] = narrow<T>(m);
+      u_out.values[j] = narrow<T>(kNesterov ? fmaf(beta, m - g, g) : m);
+    }
+    *reinterpret_cast<V*>(momentum + i) = m_io;
+    *reinterpret_cast<V*>(update + i) = u_out;
+  }
+}
+
+template <typename T, int N>
+__global__ void update_kernel(T* __restrict__ param, const T* __restrict__ update, int64_t count,
+                              float decay, float step_size) {
+  using V = Vector<T, N>;
+  for (int64_t i = (blockIdx.x * int64_t{blockDim.x} + threadIdx.x) * N; i < count;
+       i += int64_t{gridDim.x} * blockDim.x * N) {
+    V w = *reinterpret_cast<const V*>(param + i);
+    const V o = *reinterpret_cast<const V*>(update + i);
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      w.values[j] = narrow<T>(fmaf(widen(w.values[j]), decay, -step_size * widen(o.values[j])));
+    }
+    *reinterpret_cast<V*>(param + i) = w;
+  }
+}
+
+unsigned int grid_for(int64_t accesses) {
+  // A grid-stride loop over as many blocks as keep every multiprocessor busy.
+  const int64_t blocks = (accesses + kThreads - 1) / kThreads;
+  return static_cast<unsigned int>(blocks < 8192 ? (blocks > 0 ? blocks : 1) : 8192);
+}
+
+bool aligned(const void* pointer) {
+  return pointer == nullptr || reinterpret_cast<uintptr_t>(pointer) % kVectorBytes == 0;
+}
+
+template <typename T, bool kNesterov, bool kL2>
+void launch_momentum(const MomentumPass& pass, cudaStream_t stream) {
+  constexpr int N = kVectorBytes / sizeof(T);
+  const T* grad = static_cast<const T*>(pass.grad);
+  const T* param = static_cast<const T*>(pass.param);
+  T* momentum = static_cast<T*>(pass.momentum);
+  T* update = static_cast<T*>(pass.update);
+  const float beta = static_cast<float>(pass.beta), l2 = static_cast<float>(pass.l2_decay);
+  const bool vectorized = aligned(grad) && aligned(param) && aligned(momentum) && aligned(update);
+  const int64_t bulk = vectorized ? pass.count / N * N : 0;
+  if (bulk > 0) {
+    momentum_kernel<T, N, kNesterov, kL2><<<grid_for(bulk / N), kThreads, 0, stream>>>(
+        grad, param, momentum, update, bulk, beta, l2);
+  }
+  if (pass.count > bulk) {
+    const int64_t rest = pass.count - bulk;
+    momentum_kernel<T, 1, kNesterov, kL2><<<grid_for(rest), kThreads, 0, stream>>>(
+        grad + bulk, kL2 ? param + bulk : nullptr, momentum + bulk, update + bulk, rest, beta, l2);
+  }
+  check_cuda(cudaGetLastError(), "momentum_kernel launch");
+}
+
+template <typename T>
+void launch_momentum(const MomentumPass& pass, cudaStream_t stream) {
+  const bool l2 = pass.l2_decay != 0.0;
+  if (pass.nesterov) {
+    l2 ? launch_momentum<T, true, true>(pass, stream)
+       : launch_momentum<T, true, false>(pass, stream);
+  } else {
+    l2 ? launch_momentum<T, false, true>(pass, stream)
+       : launch_momentum<T, false, false>(pass, stream);
+  }
+}
+
+template <typename T>
+void launch_update(void* param_bytes, const void* update_bytes, int64_t count, float decay,
+                   float step_size, cudaStream_t stream) {
+  constexpr int N = kVectorBytes / sizeof(T);
+  T* param = static_cast<T*>(param_bytes);
+  const T* update = static_cast<const T*>(update_bytes);
+  const int64_t bulk = aligned(param) && aligned(update) ? count / N * N : 0;
+  if (bulk > 0) {
+    update_kernel<T, N>
+        <<<grid_for(bulk / N), kThreads, 0, stream>>>(param, update, bulk, decay, step_size);
+  }
+  if (count > bulk) {
+    update_kernel<T, 1><<<grid_for(count - bulk), kThreads, 0, stream>>>(
+        param + bulk, update + bulk, count - bulk, decay, step_size);
+  }
+  check_cuda(cudaGetLastError(), "update_kernel launch");
+}
+
+}  // namespace
+
+void momentum_pass_cuda(const MomentumPass& pass, cudaStream_t stream) {
+  if (pass.count == 0) return;
+  switch (pass.dtype) {
+    case SHARDMUON_FLOAT32: launch_momentum<float>(pass, stream); return;
+    case SHARDMUON_BFLOAT16: launch_momentum<__nv_bfloat16>(pass, stream); return;
+    case SHARDMUON_FLOAT64: break;
+  }
+  fail(SHARDMUON_ERROR_INTERNAL, "momentum_pass_cuda: unsupported dtype");
+}
+
+void update_pass_cuda(void* param, const void* update, shardmuon_dtype dtype, int64_t count,
+                      double decay, double step_size, cudaStream_t stream) {
+  if (count == 0) return;
+  const float d = static_cast<float>(decay), s = static_cast<float>(step_size);
+  switch (dtype) {
+    case SHARDMUON_FLOAT32: launch_update<float>(param, update, count, d, s, stream); return;
+    case SHARDMUON_BFLOAT16:
+      launch_update<__nv_bfloat16>(param, update, count, d, s, stream);
+      return;
+    case SHARDMUON_FLOAT64: break;
+  }
+  fail(SHARDMUON_ERROR_INTERNAL, "update_pass_cuda: unsupported dtype");
+}
+
+}  // namespace shardmuon

@@ -1,0 +1,395 @@
+// The Muon step against a float64 oracle of the whole step on the gathered matrices, over
+// several consecutive steps with a changing learning rate: every weight-decay mode, Nesterov
+// on and off, every scale mode, both shard dims with uneven shards, 1-4 ranks, every dtype;
+// batches mixing groups, dtypes, layouts and absent gradients; and bad input.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "../common/harness.h"
+#include "../common/ns_runner.h"
+#include "../common/reference.h"
+
+namespace shardmuon_test {
+namespace {
+
+const double kLearningRates[] = {0.02, 0.05, 0.01};  // one per step: lr changes every step
+
+// One parameter's logical state, and its shards on this rank in the backend's memory.
+struct Parameter {
+  Matrix w, m;
+  std::vector<Matrix> grads;  // one per step
+  shardmuon_dtype dtype;
+  shardmuon_partition partition;
+  std::vector<int64_t> sizes;  // along the sharded dim (or empty when replicated)
+  int group = 0;
+  bool has_grad = true;
+  Buffer w_buffer, g_buffer, m_buffer;
+
+  std::vector<double> shard(const Matrix& x, int rank) const {
+    return extract_shard(x, partition, sizes, rank);
+  }
+  shardmuon_layout layout(int parts) const { return make_layout(w, partition, parts, sizes); }
+};
+
+// Uneven shards (one of them empty from 3 ranks on) unless balanced is asked for.
+Parameter make_parameter(int64_t rows, int64_t cols, shardmuon_dtype dtype,
+                         shardmuon_partition partition, int parts, uint64_t seed, int steps,
+                         bool balanced = false) {
+  Parameter p;
+  p.dtype = dtype;
+  p.partition = partition;
+  if (partition != SHARDMUON_REPLICATED) {
+    const int64_t extent = partition == SHARDMUON_SHARDED_DIM0 ? rows : cols;
+    p.sizes = balanced ? balanced_sizes(extent, parts) : uneven_sizes(extent, parts);
+  }
+  p.w = random_gaussian(rows, cols, seed);
+  for (double& v : p.w.values) v *= 0.05;
+  p.w = rounded_to(p.w, dtype);
+  p.m = random_gaussian(rows, cols, seed + 1);  // as if earlier steps had run
+  for (double& v : p.m.values) v *= 0.5;
+  p.m = rounded_to(p.m, dtype);
+  for (int s = 0; s < steps; ++s) {
+    p.grads.push_back(rounded_to(random_gaussian(rows, cols, seed + 10 + s), dtype));
+  }
+  return p;
+}
+
+shardmuon_muon_group to_api(const ReferenceGroup& g, shardmuon_schedule schedule, int iterations) {
+  shardmuon_muon_group group;
+  shardmuon_muon_group_default(&group);
+  group.lr = g.lr;
+  group.momentum = g.momentum;
+  group.nesterov = g.nesterov ? 1 : 0;
+  group.weight_decay = g.weight_decay;
+  group.weight_decay_mode = g.weight_decay_mode;
+  group.scale_mode = g.scale_mode;
+  group.extra_scale_factor = g.extra_scale_factor;
+  group.ns.schedule = schedule;
+  group.ns.num_iterations = iterations;
+  group.ns.eps = g.eps;
+  return group;
+}
+
+// Runs `steps` steps of the library on the group (uploading each step's gradients) and of the
+// oracle, then compares every parameter's param and momentum. Returns false if a call failed.
+struct StepRun {
+  std::vector<Parameter>& params;
+  std::vector<ReferenceGroup> reference_groups;
+  std::vector<shardmuon_schedule> schedules;
+  std::vector<int> iterations;
+};
+
+void run_and_compare(const Group& group, StepRun& run, int steps, const std::string& label) {
+  const Harness& harness = Harness::get();
+  for (Parameter& p : run.params) {
+    p.w_buffer = harness.upload(to_bytes(p.shard(p.w, group.rank), p.dtype));
+    p.m_buffer = harness.upload(to_bytes(p.shard(p.m, group.rank), p.dtype));
+  }
+  for (int s = 0; s < steps; ++s) {
+    std::vector<shardmuon_muon_group> groups;
+    for (size_t g = 0; g < run.reference_groups.size(); ++g) {
+      run.reference_groups[g].lr = kLearningRates[s % 3] * (1.0 + 0.5 * static_cast<double>(g));
+      groups.push_back(to_api(run.reference_groups[g], run.schedules[g], run.iterations[g]));
+    }
+    std::vector<shardmuon_muon_param> api(run.params.size());
+    std::vector<shardmuon_layout> layouts;
+    for (size_t i = 0; i < run.params.size(); ++i) {
+      Parameter& p = run.params[i];
+      p.g_buffer = harness.upload(to_bytes(p.shard(p.grads[s], group.rank), p.dtype));
+      api[i].param = p.w_buffer.data();
+      api[i].grad = p.has_grad ? p.g_buffer.data() : nullptr;
+      api[i].no_grad = p.has_grad ? 0 : 1;
+      api[i].momentum = p.m_buffer.data();
+      api[i].dtype = p.dtype;
+      api[i].layout = p.layout(group.size);
+      api[i].group = p.group;
+      if (p.has_grad) {
+        ReferenceGroup reference = run.reference_groups[p.group];
+        if (reference.coefficients.empty()) {
+          reference.coefficients =
+              coefficients_for(run.schedules[p.group], run.iterations[p.group]);
+        }
+        reference_muon_step(p.w, p.grads[s], p.m, reference);
+      }
+    }
+    const shardmuon_status status =
+        shardmuon_muon_step(harness.context(), group.comm, api.data(), static_cast<int>(api.size()),
+                            groups.data(), static_cast<int>(groups.size()), harness.stream());
+    const bool ok = group_all(status == SHARDMUON_SUCCESS, group.mpi);
+    ASSERT_TRUE(ok) << label << " step " << s << ": " << shardmuon_last_error();
+  }
+  for (size_t i = 0; i < run.params.size(); ++i) {
+    const Parameter& p = run.params[i];
+    const std::vector<double> w = from_bytes(harness.download(p.w_buffer), p.dtype);
+    const std::vector<double> m = from_bytes(harness.download(p.m_buffer), p.dtype);
+    const MPI_Comm scope = p.partition == SHARDMUON_REPLICATED ? MPI_COMM_SELF : group.mpi;
+    const double w_error =
+        group_max(group_relative_error(w, p.shard(p.w, group.rank), scope), group.mpi);
+    const double m_error =
+        group_max(group_relative_error(m, p.shard(p.m, group.rank), scope), group.mpi);
+    const double tolerance = tolerance_for(p.dtype);
+    report_error(w_error, tolerance, group.rank);
+    EXPECT_LT(w_error, tolerance) << label << " params[" << i << "] param after " << steps
+                                  << " steps";
+    EXPECT_LT(m_error, tolerance) << label << " params[" << i << "] momentum after " << steps
+                                  << " steps";
+  }
+}
+
+// ------------------------------------------------------------------------------------------
+
+struct ModeCase {
+  shardmuon_weight_decay decay;
+  bool nesterov;
+  shardmuon_scale_mode scale;
+  shardmuon_partition partition;
+  int group_size;
+  shardmuon_dtype dtype;
+};
+
+std::vector<ModeCase> mode_cases() {
+  std::vector<ModeCase> cases;
+  for (int decay = 0; decay < 4; ++decay)
+    for (bool nesterov : {true, false})
+      for (int scale = 0; scale < 4; ++scale)
+        for (shardmuon_partition partition : {SHARDMUON_SHARDED_DIM0, SHARDMUON_SHARDED_DIM1})
+          for (int p = 1; p <= 4; ++p)
+            for (shardmuon_dtype dtype : {SHARDMUON_FLOAT64, SHARDMUON_FLOAT32, SHARDMUON_BFLOAT16})
+              cases.push_back({static_cast<shardmuon_weight_decay>(decay), nesterov,
+                               static_cast<shardmuon_scale_mode>(scale), partition, p, dtype});
+  return cases;
+}
+
+std::string mode_case_name(const ::testing::TestParamInfo<ModeCase>& info) {
+  const ModeCase& c = info.param;
+  const char* decays[] = {"decoupled", "l2", "independent", "nodecay"};
+  const char* scales[] = {"spectral", "shape", "unitrms", "noscale"};
+  std::ostringstream name;
+  name << decays[c.decay] << "_" << (c.nesterov ? "nesterov" : "heavyball") << "_"
+       << scales[c.scale] << "_" << (c.partition == SHARDMUON_SHARDED_DIM0 ? "dim0" : "dim1")
+       << "_P" << c.group_size << "_" << dtype_label(c.dtype);
+  return name.str();
+}
+
+class MuonStepModes : public DistributedTest, public ::testing::WithParamInterface<ModeCase> {};
+
+TEST_P(MuonStepModes, ThreeStepsMatchTheReference) {
+  const ModeCase& c = GetParam();
+  if (c.dtype == SHARDMUON_FLOAT64 && Harness::get().on_gpu()) {
+    GTEST_SKIP() << "float64 runs on the CPU backend only";
+  }
+  if (c.group_size > Harness::get().max_group_size()) GTEST_SKIP() << "needs more ranks";
+  const Group& group = Harness::get().group(c.group_size);
+  if (!group.member) return;
+  // Wide with Nesterov, tall without: both orientations, and shape_scaling above 1.
+  const int64_t rows = c.nesterov ? 37 : 53, cols = c.nesterov ? 53 : 37;
+  std::vector<Parameter> params;
+  params.push_back(
+      make_parameter(rows, cols, c.dtype, c.partition, c.group_size, 100 + c.decay, 3));
+  ReferenceGroup g;
+  g.nesterov = c.nesterov;
+  g.weight_decay_mode = c.decay;
+  g.scale_mode = c.scale;
+  g.extra_scale_factor = c.scale == SHARDMUON_SCALE_SPECTRAL ? 0.2 : 1.0;
+  StepRun run{params, {g}, {SHARDMUON_SCHEDULE_QUINTIC}, {5}};
+  run_and_compare(group, run, 3, mode_case_name({c, 0}));
+}
+
+INSTANTIATE_TEST_SUITE_P(All, MuonStepModes, ::testing::ValuesIn(mode_cases()), mode_case_name);
+
+// ------------------------------------------------------------------------------------------
+
+class MuonStepBatches : public DistributedTest {};
+
+// One call over parameters of different shapes, layouts, dtypes and groups, one of them
+// without a gradient (left untouched on every rank).
+TEST_F(MuonStepBatches, MixedBatchMatchesTheReference) {
+  for (int p = 1; p <= Harness::get().max_group_size(); ++p) {
+    const Group& group = Harness::get().group(p);
+    if (!group.member) continue;
+    const shardmuon_dtype precise = Harness::get().on_gpu() ? SHARDMUON_FLOAT32 : SHARDMUON_FLOAT64;
+    std::vector<Parameter> params;
+    params.push_back(make_parameter(37, 53, SHARDMUON_FLOAT32, SHARDMUON_SHARDED_DIM0, p, 1, 3));
+    params.push_back(make_parameter(64, 17, SHARDMUON_BFLOAT16, SHARDMUON_SHARDED_DIM1, p, 2, 3));
+    params.push_back(make_parameter(29, 29, precise, SHARDMUON_REPLICATED, p, 3, 3));
+    params.push_back(make_parameter(1, 40, SHARDMUON_FLOAT32, SHARDMUON_SHARDED_DIM1, p, 4, 3));
+    params.push_back(make_parameter(41, 23, precise, SHARDMUON_SHARDED_DIM0, p, 5, 3));
+    params[1].group = 1;
+    params[2].group = 1;
+    params[2].has_grad = false;  // skipped: param and momentum stay as they are
+    params[4].group = 1;
+    ReferenceGroup first, second;
+    second.nesterov = false;
+    second.weight_decay_mode = SHARDMUON_WEIGHT_DECAY_L2;
+    second.scale_mode = SHARDMUON_SCALE_SHAPE_SCALING;
+    second.momentum = 0.8;
+    StepRun run{params,
+                {first, second},
+                {SHARDMUON_SCHEDULE_QUINTIC, SHARDMUON_SCHEDULE_POLAR_EXPRESS},
+                {5, 8}};
+    run_and_compare(group, run, 3, "mixed batch P=" + std::to_string(p));
+  }
+}
+
+// A step with no parameters, or with every gradient absent, is a valid no-op.
+TEST_F(MuonStepBatches, EmptyBatchesAreNoOps) {
+  const Group& group = Harness::get().group(Harness::get().max_group_size());
+  if (!group.member) return;
+  shardmuon_muon_group g;
+  shardmuon_muon_group_default(&g);
+  EXPECT_EQ(shardmuon_muon_step(Harness::get().context(), group.comm, nullptr, 0, &g, 1,
+                                Harness::get().stream()),
+            SHARDMUON_SUCCESS)
+      << shardmuon_last_error();
+  Parameter p = make_parameter(9, 11, SHARDMUON_FLOAT32, SHARDMUON_SHARDED_DIM1, group.size, 9, 1);
+  const std::vector<unsigned char> w = to_bytes(p.shard(p.w, group.rank), p.dtype);
+  const std::vector<unsigned char> m = to_bytes(p.shard(p.m, group.rank), p.dtype);
+  p.w_buffer = Harness::get().upload(w);
+  p.m_buffer = Harness::get().upload(m);
+  shardmuon_muon_param api{};
+  api.param = p.w_buffer.data();
+  api.momentum = p.m_buffer.data();
+  api.dtype = p.dtype;
+  api.layout = p.layout(group.size);
+  api.no_grad = 1;
+  EXPECT_EQ(shardmuon_muon_step(Harness::get().context(), group.comm, &api, 1, &g, 1,
+                                Harness::get().stream()),
+            SHARDMUON_SUCCESS)
+      << shardmuon_last_error();
+  EXPECT_EQ(Harness::get().download(p.w_buffer), w);
+  EXPECT_EQ(Harness::get().download(p.m_buffer), m);
+}
+
+// ------------------------------------------------------------------------------------------
+
+class MuonStepBadInput : public DistributedTest {};
+
+struct StepCall {
+  std::vector<Parameter> params;
+  std::vector<shardmuon_muon_param> api;
+  std::vector<shardmuon_muon_group> groups;
+  std::vector<std::vector<unsigned char>> before;  // every buffer's bytes
+
+  // Balanced shards: every rank holds part of every parameter, so every rank's pointers count.
+  explicit StepCall(const Group& group) {
+    params.push_back(
+        make_parameter(23, 41, SHARDMUON_FLOAT32, SHARDMUON_SHARDED_DIM1, group.size, 7, 1, true));
+    params.push_back(
+        make_parameter(30, 12, SHARDMUON_FLOAT32, SHARDMUON_SHARDED_DIM0, group.size, 8, 1, true));
+    groups.resize(2);
+    shardmuon_muon_group_default(&groups[0]);
+    shardmuon_muon_group_default(&groups[1]);
+    for (Parameter& p : params) {
+      before.push_back(to_bytes(p.shard(p.w, group.rank), p.dtype));
+      before.push_back(to_bytes(p.shard(p.grads[0], group.rank), p.dtype));
+      before.push_back(to_bytes(p.shard(p.m, group.rank), p.dtype));
+      p.w_buffer = Harness::get().upload(before[before.size() - 3]);
+      p.g_buffer = Harness::get().upload(before[before.size() - 2]);
+      p.m_buffer = Harness::get().upload(before[before.size() - 1]);
+      api.push_back({p.w_buffer.data(), p.g_buffer.data(), p.m_buffer.data(), p.dtype,
+                     p.layout(group.size), 0, 0});
+    }
+    api[1].group = 1;
+  }
+  shardmuon_status call(const Group& group) {
+    return shardmuon_muon_step(Harness::get().context(), group.comm, api.data(),
+                               static_cast<int>(api.size()), groups.data(),
+                               static_cast<int>(groups.size()), Harness::get().stream());
+  }
+  bool untouched() const {
+    size_t k = 0;
+    bool same = true;
+    for (const Parameter& p : params) {
+      same = same && Harness::get().download(p.w_buffer) == before[k++];
+      same = same && Harness::get().download(p.g_buffer) == before[k++];
+      same = same && Harness::get().download(p.m_buffer) == before[k++];
+    }
+    return same;
+  }
+};
+
+TEST_F(MuonStepBadInput, EveryRankAtFault) {
+  struct Bad {
+    const char* name;
+    void (*perturb)(StepCall&);
+    const char* message;
+  };
+  const Bad cases[] = {
+      {"null param", [](StepCall& c) { c.api[0].param = nullptr; }, "params[0].param is NULL"},
+      {"null momentum", [](StepCall& c) { c.api[1].momentum = nullptr; },
+       "params[1].momentum is NULL"},
+      {"momentum aliases param", [](StepCall& c) { c.api[0].momentum = c.api[0].param; },
+       "overlap in memory"},
+      {"grad aliases another param", [](StepCall& c) { c.api[1].grad = c.api[0].param; },
+       "overlap in memory"},
+      {"group out of range", [](StepCall& c) { c.api[1].group = 2; },
+       "params[1].group (2) is not a group index in [0, 2)"},
+      {"bad layout", [](StepCall& c) { c.api[0].layout.rows = 0; },
+       "params[0].layout.rows must be >= 1"},
+      {"NaN lr", [](StepCall& c) { c.groups[1].lr = 0.0 / 0.0; }, "groups[1].lr must be finite"},
+      {"momentum 1", [](StepCall& c) { c.groups[0].momentum = 1.0; },
+       "groups[0].momentum must be in [0, 1), got 1"},
+      {"nesterov 2", [](StepCall& c) { c.groups[0].nesterov = 2; },
+       "groups[0].nesterov must be 0 or 1"},
+      {"negative weight decay", [](StepCall& c) { c.groups[0].weight_decay = -0.1; },
+       "groups[0].weight_decay must be finite and >= 0"},
+      {"zero iterations", [](StepCall& c) { c.groups[1].ns.num_iterations = 0; },
+       "groups[1].ns.num_iterations must be >= 1, got 0"},
+      {"null grad", [](StepCall& c) { c.api[1].grad = nullptr; }, "params[1].grad is NULL"},
+      {"no_grad 2", [](StepCall& c) { c.api[0].no_grad = 2; }, "params[0].no_grad must be 0 or 1"},
+      {"misaligned grad",
+       [](StepCall& c) { c.api[0].grad = static_cast<const char*>(c.api[0].grad) + 2; },
+       "params[0].grad"},
+  };
+  for (int p = 1; p <= Harness::get().max_group_size(); ++p) {
+    const Group& group = Harness::get().group(p);
+    if (!group.member) continue;
+    for (const Bad& bad : cases) {
+      StepCall call(group);
+      bad.perturb(call);
+      const shardmuon_status status = call.call(group);
+      const std::string error = shardmuon_last_error();
+      EXPECT_EQ(status, SHARDMUON_ERROR_INVALID_ARGUMENT) << bad.name << ": " << error;
+      EXPECT_NE(error.find(bad.message), std::string::npos)
+          << bad.name << ": \"" << error << "\" lacks \"" << bad.message << "\"";
+      EXPECT_TRUE(call.untouched()) << bad.name;
+    }
+  }
+}
+
+// One rank without a gradient, or with another learning rate: every rank fails, none hangs.
+TEST_F(MuonStepBadInput, RanksThatDisagreeAllFail) {
+  for (int p = 2; p <= Harness::get().max_group_size(); ++p) {
+    const Group& group = Harness::get().group(p);
+    if (!group.member) continue;
+    const std::pair<const char*, void (*)(StepCall&)> cases[] = {
+        {"grad absent on one rank", [](StepCall& c) { c.api[1].no_grad = 1; }},
+        {"other lr on one rank", [](StepCall& c) { c.groups[0].lr *= 2; }},
+        {"other scale mode", [](StepCall& c) { c.groups[1].scale_mode = SHARDMUON_SCALE_NONE; }},
+        {"fewer parameters", [](StepCall& c) { c.api.pop_back(); }},
+    };
+    for (const auto& [name, perturb] : cases) {
+      StepCall call(group);
+      if (group.rank == p - 1) perturb(call);
+      const shardmuon_status status = call.call(group);
+      const std::string error = shardmuon_last_error();
+      EXPECT_EQ(status, SHARDMUON_ERROR_RANK_MISMATCH) << name << ": " << error;
+      EXPECT_TRUE(call.untouched()) << name;
+    }
+    // A rank with a bad argument: PEER_FAILED elsewhere.
+    StepCall call(group);
+    if (group.rank == 0) call.api[0].param = nullptr;
+    const shardmuon_status status = call.call(group);
+    EXPECT_EQ(status,
+              group.rank == 0 ? SHARDMUON_ERROR_INVALID_ARGUMENT : SHARDMUON_ERROR_PEER_FAILED)
+        << shardmuon_last_error();
+    EXPECT_TRUE(call.untouched());
+  }
+}
+
+}  // namespace
+}  // namespace shardmuon_test
