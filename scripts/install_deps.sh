@@ -3,7 +3,8 @@
 # Idempotent: does nothing (and needs no network) when everything is there.
 set -euo pipefail
 
-packages=(cmake ninja-build g++ libopenmpi-dev openmpi-bin libopenblas-dev libgtest-dev)
+packages=(cmake ninja-build g++ libopenmpi-dev openmpi-bin libopenblas-dev libgtest-dev
+          nlohmann-json3-dev zlib1g-dev)
 missing=()
 for package in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q "install ok installed" ||

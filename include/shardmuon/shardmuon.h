@@ -182,6 +182,14 @@ SHARDMUON_API shardmuon_status shardmuon_context_backend(shardmuon_context_t con
 SHARDMUON_API shardmuon_status shardmuon_context_workspace_bytes(shardmuon_context_t context,
                                                                  size_t* bytes);
 
+/* Memory in the context's backend (device memory of its GPU, or host memory), zero-filled,
+ * for buffers the library owns on a caller's behalf (the C++ Muon class's momentum).
+ * Allocation synchronizes with the device; meant for set-up, not for every step. */
+SHARDMUON_API shardmuon_status shardmuon_buffer_create(shardmuon_context_t context, size_t bytes,
+                                                       void** buffer);
+/* Frees a buffer of shardmuon_buffer_create after the device work using it. NULL is a no-op. */
+SHARDMUON_API shardmuon_status shardmuon_buffer_destroy(shardmuon_context_t context, void* buffer);
+
 /* A group of one rank (no communication); works with every backend. */
 SHARDMUON_API shardmuon_status shardmuon_comm_create_self(shardmuon_comm_t* comm);
 

@@ -2,7 +2,9 @@
 // compiled into the library, so the C ABI stays the only boundary.
 #pragma once
 
+#include <deque>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -31,11 +33,15 @@ inline void check(shardmuon_status status) {
 
 class Context {
  public:
-  explicit Context(shardmuon_backend backend, int cuda_device = 0) {
+  explicit Context(shardmuon_backend backend, int cuda_device = 0)
+      : handle_(nullptr, Destroy{true}) {
     shardmuon_context_t handle = nullptr;
     check(shardmuon_context_create(backend, cuda_device, &handle));
     handle_.reset(handle);
   }
+  // Wraps a handle made through the C API without taking ownership.
+  static Context borrow(shardmuon_context_t handle) { return Context(handle, false); }
+
   shardmuon_context_t get() const noexcept { return handle_.get(); }
   size_t workspace_bytes() const {
     size_t bytes = 0;
@@ -44,9 +50,11 @@ class Context {
   }
 
  private:
+  Context(shardmuon_context_t handle, bool owned) : handle_(handle, Destroy{owned}) {}
   struct Destroy {
+    bool owned = true;
     void operator()(shardmuon_context_t handle) const noexcept {
-      shardmuon_context_destroy(handle);
+      if (owned) shardmuon_context_destroy(handle);
     }
   };
   std::unique_ptr<shardmuon_context_s, Destroy> handle_;
@@ -71,6 +79,8 @@ class Comm {
     check(shardmuon_comm_create_nccl(nccl_comm, &handle));
     return Comm(handle);
   }
+  // Wraps a handle made through the C API without taking ownership.
+  static Comm borrow(shardmuon_comm_t handle) { return Comm(handle, false); }
 
   shardmuon_comm_t get() const noexcept { return handle_.get(); }
   int rank() const {
@@ -85,9 +95,12 @@ class Comm {
   }
 
  private:
-  explicit Comm(shardmuon_comm_t handle) : handle_(handle) {}
+  explicit Comm(shardmuon_comm_t handle, bool owned = true) : handle_(handle, Destroy{owned}) {}
   struct Destroy {
-    void operator()(shardmuon_comm_t handle) const noexcept { shardmuon_comm_destroy(handle); }
+    bool owned = true;
+    void operator()(shardmuon_comm_t handle) const noexcept {
+      if (owned) shardmuon_comm_destroy(handle);
+    }
   };
   std::unique_ptr<shardmuon_comm_s, Destroy> handle_;
 };
@@ -132,5 +145,134 @@ inline void newton_schulz(const Context& context, const Comm& comm, void* local_
   check(shardmuon_newton_schulz(context.get(), comm.get(), local_shard, dtype, &view, &options,
                                 stream));
 }
+
+inline shardmuon_muon_group default_muon_group() {
+  shardmuon_muon_group group{};
+  check(shardmuon_muon_group_default(&group));
+  return group;
+}
+
+// A Muon optimizer that owns its parameters' momentum buffers, for C++ training code. Every
+// rank of the communicator registers the same parameters in the same order (with its own
+// shards) and calls step, save and load together.
+//
+//   shardmuon::Muon muon(context, comm, {shardmuon::default_muon_group()});
+//   muon.add_parameter("layers.0.qkv.weight", qkv, SHARDMUON_BFLOAT16,
+//                      shardmuon::Layout::sharded(6144, 4096, 0, {}));
+//   muon.groups()[0].lr = schedule(step);
+//   muon.step({qkv_grad}, stream);          // std::nullopt for a parameter without gradient
+class Muon {
+ public:
+  Muon(const Context& context, const Comm& comm, std::vector<shardmuon_muon_group> groups)
+      : context_(context), comm_(comm), groups_(std::move(groups)) {}
+  ~Muon() {
+    for (Entry& entry : entries_) shardmuon_buffer_destroy(context_.get(), entry.momentum);
+  }
+  Muon(const Muon&) = delete;
+  Muon& operator=(const Muon&) = delete;
+
+  // Registers a parameter and allocates its momentum buffer (zeros) in the context's
+  // memory. Returns its index.
+  size_t add_parameter(const std::string& name, void* param, shardmuon_dtype dtype,
+                       const Layout& layout, int group = 0) {
+    Entry entry;
+    entry.name = name;
+    entry.layout = layout;
+    entry.param.param = param;
+    entry.param.dtype = dtype;
+    entry.param.group = group;
+    const int ranks = comm_.size();
+    const shardmuon_layout view = entry.layout.view(ranks);
+    const size_t element = dtype == SHARDMUON_FLOAT64 ? 8 : dtype == SHARDMUON_FLOAT32 ? 4 : 2;
+    check(shardmuon_buffer_create(context_.get(), local_elements(view, comm_.rank()) * element,
+                                  &entry.momentum));
+    entry.param.momentum = entry.momentum;
+    entries_.push_back(std::move(entry));
+    // The layout view points into the stored Layout, which a deque never moves.
+    entries_.back().param.layout = entries_.back().layout.view(ranks);
+    return entries_.size() - 1;
+  }
+
+  // One step. grads[i] is parameter i's gradient (which may be nullptr on a rank whose shard
+  // is empty), or std::nullopt when it has none this step on every rank.
+  void step(const std::vector<std::optional<const void*>>& grads, void* stream = nullptr) {
+    if (grads.size() != entries_.size()) {
+      throw Error(SHARDMUON_ERROR_INVALID_ARGUMENT,
+                  "Muon::step: " + std::to_string(grads.size()) + " gradients for " +
+                      std::to_string(entries_.size()) + " parameters");
+    }
+    std::vector<shardmuon_muon_param> params = batch();
+    for (size_t i = 0; i < params.size(); ++i) {
+      params[i].grad = grads[i].value_or(nullptr);
+      params[i].no_grad = grads[i].has_value() ? 0 : 1;
+    }
+    check(shardmuon_muon_step(context_.get(), comm_.get(), params.data(),
+                              static_cast<int>(params.size()), groups_.data(),
+                              static_cast<int>(groups_.size()), stream));
+    ++steps_taken_;
+  }
+
+  // The hyperparameters, to change between steps (the learning rate, say).
+  std::vector<shardmuon_muon_group>& groups() { return groups_; }
+  int64_t steps_taken() const { return steps_taken_; }
+  void* momentum(size_t index) const { return entries_.at(index).momentum; }
+  size_t size() const { return entries_.size(); }
+
+  // Saves momentum, step count and hyperparameters (see shardmuon_muon_save).
+  void save(const std::string& directory, void* stream = nullptr) const {
+    std::vector<shardmuon_muon_param> params = batch();
+    std::vector<const char*> names = name_pointers();
+    check(shardmuon_muon_save(context_.get(), comm_.get(), directory.c_str(), params.data(),
+                              names.data(), static_cast<int>(params.size()), groups_.data(),
+                              static_cast<int>(groups_.size()), steps_taken_, stream));
+  }
+
+  // Restores momentum, step count and hyperparameters; on error nothing changes.
+  void load(const std::string& directory, void* stream = nullptr) {
+    std::vector<shardmuon_muon_param> params = batch();
+    std::vector<const char*> names = name_pointers();
+    std::vector<shardmuon_muon_group> loaded = groups_;
+    int64_t steps = 0;
+    check(shardmuon_muon_load(context_.get(), comm_.get(), directory.c_str(), params.data(),
+                              names.data(), static_cast<int>(params.size()), loaded.data(),
+                              static_cast<int>(loaded.size()), &steps, stream));
+    groups_ = std::move(loaded);
+    steps_taken_ = steps;
+  }
+
+ private:
+  struct Entry {
+    std::string name;
+    Layout layout;
+    shardmuon_muon_param param{};
+    void* momentum = nullptr;
+  };
+
+  static int64_t local_elements(const shardmuon_layout& layout, int rank) {
+    if (layout.partition == SHARDMUON_REPLICATED) return layout.rows * layout.cols;
+    const int64_t extent = layout.partition == SHARDMUON_SHARDED_DIM0 ? layout.rows : layout.cols;
+    int64_t size = extent / layout.num_shards + (rank < extent % layout.num_shards ? 1 : 0);
+    if (layout.shard_sizes != nullptr) size = layout.shard_sizes[rank];
+    return size * (layout.partition == SHARDMUON_SHARDED_DIM0 ? layout.cols : layout.rows);
+  }
+
+  std::vector<shardmuon_muon_param> batch() const {
+    std::vector<shardmuon_muon_param> params;
+    for (const Entry& entry : entries_) params.push_back(entry.param);
+    return params;
+  }
+
+  std::vector<const char*> name_pointers() const {
+    std::vector<const char*> names;
+    for (const Entry& entry : entries_) names.push_back(entry.name.c_str());
+    return names;
+  }
+
+  const Context& context_;
+  const Comm& comm_;
+  std::vector<shardmuon_muon_group> groups_;
+  std::deque<Entry> entries_;
+  int64_t steps_taken_ = 0;
+};
 
 }  // namespace shardmuon

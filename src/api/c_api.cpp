@@ -275,6 +275,21 @@ shardmuon_status shardmuon_context_workspace_bytes(shardmuon_context_t context, 
   });
 }
 
+shardmuon_status shardmuon_buffer_create(shardmuon_context_t context, size_t bytes, void** buffer) {
+  return api_guard(__func__, [&] {
+    SHARDMUON_CHECK_ARG(buffer != nullptr, "buffer is NULL");
+    *buffer = nullptr;
+    *buffer = shardmuon::backend_of(context, "context").allocate_zeroed(bytes);
+  });
+}
+
+shardmuon_status shardmuon_buffer_destroy(shardmuon_context_t context, void* buffer) {
+  return api_guard(__func__, [&] {
+    shardmuon::Backend& backend = shardmuon::backend_of(context, "context");
+    if (buffer != nullptr) backend.release(buffer);
+  });
+}
+
 shardmuon_status shardmuon_comm_create_self(shardmuon_comm_t* comm) {
   return create_comm(__func__, comm, [] { return shardmuon::make_self_communicator(); });
 }

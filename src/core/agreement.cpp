@@ -5,7 +5,7 @@
 namespace shardmuon {
 
 void agree_across_ranks(Communicator& comm, std::exception_ptr local_error, uint64_t digest,
-                        const std::string& arguments) {
+                        const std::string& arguments, const char* peer_failure) {
   if (comm.size() == 1) {
     if (local_error) std::rethrow_exception(local_error);
     return;
@@ -22,9 +22,8 @@ void agree_across_ranks(Communicator& comm, std::exception_ptr local_error, uint
 
   if (local_error) std::rethrow_exception(local_error);
   if (values[0] != 0) {
-    fail(SHARDMUON_ERROR_PEER_FAILED, "rank ", size - values[1],
-         " of the communicator rejected its arguments (its own error message says why); no "
-         "rank modified anything");
+    fail(SHARDMUON_ERROR_PEER_FAILED, "rank ", size - values[1], " of the communicator ",
+         peer_failure);
   }
   if (values[2] != -values[3]) {
     fail(SHARDMUON_ERROR_RANK_MISMATCH,

@@ -24,6 +24,11 @@ class Digest {
     for (unsigned char byte : bytes) hash_ = (hash_ ^ byte) * 1099511628211ull;
     return *this;
   }
+  Digest& add_string(const std::string& text) {
+    add(text.size());
+    for (unsigned char byte : text) hash_ = (hash_ ^ byte) * 1099511628211ull;
+    return *this;
+  }
   uint64_t value() const { return hash_; }
 
  private:
@@ -32,9 +37,14 @@ class Digest {
 
 // Every rank of comm calls this. local_error is the exception of this rank's validation,
 // or null. Returns normally when every rank validated and the digests agree; otherwise
-// throws on every rank: this rank's own error, PEER_FAILED naming the first failed rank, or
-// RANK_MISMATCH with `arguments` (this rank's arguments, for the message).
+// throws on every rank: this rank's own error, PEER_FAILED naming the first failed rank and
+// what it failed at (peer_failure), or RANK_MISMATCH with `arguments` (this rank's
+// arguments, for the message). Later phases of a call (writing a file, say) use it with
+// digest 0 to make one rank's failure every rank's.
 void agree_across_ranks(Communicator& comm, std::exception_ptr local_error, uint64_t digest,
-                        const std::string& arguments);
+                        const std::string& arguments,
+                        const char* peer_failure =
+                            "rejected its arguments (its own error "
+                            "message says why); no rank modified anything");
 
 }  // namespace shardmuon

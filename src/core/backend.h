@@ -77,6 +77,11 @@ class Backend {
   virtual void* workspace(size_t bytes, Stream stream) = 0;
   virtual size_t workspace_bytes() const = 0;
 
+  // Zero-filled memory owned by the caller (through the C API's buffer functions); may
+  // synchronize. release frees it after the work already enqueued.
+  virtual void* allocate_zeroed(size_t bytes) = 0;
+  virtual void release(void* pointer) = 0;
+
   // Scratch bytes that sum_of_squares needs for count elements.
   virtual size_t sum_of_squares_scratch_bytes(shardmuon_dtype dtype, int64_t count) const = 0;
   // *result (one value of accumulate_dtype(dtype)) = sum of x[i]^2, deterministic.

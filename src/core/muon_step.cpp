@@ -96,6 +96,16 @@ ValidatedMuonStep validate_muon_step(const Backend& backend, const Communicator&
   SHARDMUON_CHECK_ARG(num_params >= 0, "num_params must be >= 0, got ", num_params);
   SHARDMUON_CHECK_ARG(num_params == 0 || params != nullptr, "params is NULL but num_params is ",
                       num_params);
+  // Checkpoint loads may leave out the groups; the parameters' checks do not need them.
+  shardmuon_muon_group default_group;
+  const bool groups_optional = !use_grads && groups == nullptr;
+  if (groups_optional) {
+    if (shardmuon_muon_group_default(&default_group) != SHARDMUON_SUCCESS) {
+      fail(SHARDMUON_ERROR_INTERNAL, "shardmuon_muon_group_default failed");
+    }
+    groups = &default_group;
+    num_groups = 1;
+  }
   SHARDMUON_CHECK_ARG(num_groups >= 1, "num_groups must be >= 1, got ", num_groups);
   SHARDMUON_CHECK_ARG(groups != nullptr, "groups is NULL");
   for (int g = 0; g < num_groups; ++g) validate_muon_group(groups[g], g);
@@ -115,7 +125,8 @@ ValidatedMuonStep validate_muon_step(const Backend& backend, const Communicator&
   for (int i = 0; i < num_params; ++i) {
     const shardmuon_muon_param& p = params[i];
     const std::string name = "params[" + std::to_string(i) + "]";
-    SHARDMUON_CHECK_ARG(p.group >= 0 && p.group < num_groups, name, ".group (", p.group,
+    const int group_index = groups_optional ? 0 : p.group;
+    SHARDMUON_CHECK_ARG(group_index >= 0 && group_index < num_groups, name, ".group (", p.group,
                         ") is not a group index in [0, ", num_groups, ")");
     SHARDMUON_CHECK_ARG(is_valid_dtype(p.dtype), name,
                         ".dtype is unknown: ", static_cast<int>(p.dtype));
@@ -131,7 +142,7 @@ ValidatedMuonStep validate_muon_step(const Backend& backend, const Communicator&
       }
       throw Failure(e.status(), message);
     }
-    const shardmuon_muon_group& group = groups[p.group];
+    const shardmuon_muon_group& group = groups[group_index];
     MuonParamPlan plan;
     plan.param = &p;
     SHARDMUON_CHECK_ARG(p.no_grad == 0 || p.no_grad == 1, name, ".no_grad must be 0 or 1, got ",
@@ -159,7 +170,7 @@ ValidatedMuonStep validate_muon_step(const Backend& backend, const Communicator&
 
     digest.add(p.dtype).add(p.layout.rows).add(p.layout.cols).add(p.layout.partition);
     for (int64_t size : layout.shard_sizes()) digest.add(size);
-    digest.add(p.group).add(plan.has_grad);
+    digest.add(group_index).add(plan.has_grad);
     step.plans.push_back(std::move(plan));
   }
 

@@ -75,6 +75,16 @@ class CpuBackend final : public Backend {
   }
   size_t workspace_bytes() const override { return workspace_bytes_; }
 
+  void* allocate_zeroed(size_t bytes) override {
+    const size_t rounded =
+        std::max<size_t>(kAlignment, (bytes + kAlignment - 1) / kAlignment * kAlignment);
+    void* pointer = std::aligned_alloc(kAlignment, rounded);
+    if (pointer == nullptr) fail(SHARDMUON_ERROR_OUT_OF_MEMORY, "buffer of ", bytes, " bytes");
+    std::memset(pointer, 0, rounded);
+    return pointer;
+  }
+  void release(void* pointer) override { std::free(pointer); }
+
   size_t sum_of_squares_scratch_bytes(shardmuon_dtype, int64_t) const override { return 0; }
 
   void sum_of_squares(const void* x, shardmuon_dtype dtype, int64_t count, void* result, void*,

@@ -102,6 +102,23 @@ class CudaBackend final : public Backend {
 
   size_t workspace_bytes() const override { return workspace_bytes_; }
 
+  void* allocate_zeroed(size_t bytes) override {
+    DeviceGuard guard(device_);
+    void* pointer = nullptr;
+    SHARDMUON_CUDA(cudaMalloc(&pointer, bytes > 0 ? bytes : 1));
+    const cudaError_t zeroed = cudaMemset(pointer, 0, bytes);
+    if (zeroed != cudaSuccess) {
+      cudaFree(pointer);
+      check_cuda(zeroed, "cudaMemset");
+    }
+    return pointer;
+  }
+
+  void release(void* pointer) override {
+    DeviceGuard guard(device_);
+    SHARDMUON_CUDA(cudaFree(pointer));  // waits for the work using it
+  }
+
   size_t sum_of_squares_scratch_bytes(shardmuon_dtype dtype, int64_t count) const override {
     return sum_of_squares_scratch_bytes_cuda(dtype, count);
   }

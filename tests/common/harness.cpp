@@ -162,16 +162,19 @@ Buffer Harness::upload(const std::vector<unsigned char>& bytes) const {
 }
 
 std::vector<unsigned char> Harness::download(const Buffer& buffer) const {
+  return download(buffer.data(), buffer.bytes());
+}
+
+std::vector<unsigned char> Harness::download(const void* data, size_t size) const {
   synchronize();
-  std::vector<unsigned char> bytes(buffer.bytes());
+  std::vector<unsigned char> bytes(size);
   if (bytes.empty()) return bytes;
   if (on_gpu()) {
 #ifdef SHARDMUON_TEST_WITH_CUDA
-    cuda_ok(cudaMemcpy(bytes.data(), buffer.data(), bytes.size(), cudaMemcpyDeviceToHost),
-            "download");
+    cuda_ok(cudaMemcpy(bytes.data(), data, bytes.size(), cudaMemcpyDeviceToHost), "download");
 #endif
   } else {
-    std::memcpy(bytes.data(), buffer.data(), bytes.size());
+    std::memcpy(bytes.data(), data, bytes.size());
   }
   return bytes;
 }

@@ -63,6 +63,7 @@ class Harness {
   // Copies to and from the backend's memory; waits for the stream first.
   Buffer upload(const std::vector<unsigned char>& bytes) const;
   std::vector<unsigned char> download(const Buffer& buffer) const;
+  std::vector<unsigned char> download(const void* data, size_t bytes) const;
   void synchronize() const;
 
  private:

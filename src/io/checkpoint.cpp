@@ -1,0 +1,456 @@
+#include "io/checkpoint.h"
+
+#include <zlib.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <set>
+#include <sstream>
+
+#include "core/agreement.h"
+#include "core/dtype.h"
+#include "core/error.h"
+#include "core/schedule.h"
+#include "io/safetensors.h"
+
+namespace shardmuon {
+namespace {
+
+using nlohmann::json;
+
+constexpr const char* kFormat = "shardmuon.muon-checkpoint";
+constexpr int kVersion = 1;
+constexpr const char* kIndexName = "shardmuon-checkpoint.json";
+
+// A rectangle of a logical matrix.
+struct Region {
+  int64_t row0 = 0, col0 = 0, rows = 0, cols = 0;
+  int64_t elements() const { return rows * cols; }
+};
+
+Region intersect(const Region& a, const Region& b) {
+  const int64_t row0 = std::max(a.row0, b.row0), col0 = std::max(a.col0, b.col0);
+  const int64_t row1 = std::min(a.row0 + a.rows, b.row0 + b.rows);
+  const int64_t col1 = std::min(a.col0 + a.cols, b.col0 + b.cols);
+  if (row1 <= row0 || col1 <= col0) return Region{};
+  return Region{row0, col0, row1 - row0, col1 - col0};
+}
+
+// The part of the logical matrix a rank's local buffer holds.
+Region local_region(const ShardLayout& layout, int rank) {
+  if (!layout.is_sharded()) return Region{0, 0, layout.rows(), layout.cols()};
+  const int64_t offset = layout.shard_offsets()[rank], size = layout.shard_sizes()[rank];
+  return layout.sharded_dim() == 0 ? Region{offset, 0, size, layout.cols()}
+                                   : Region{0, offset, layout.rows(), size};
+}
+
+// The piece a rank writes: its shard, or for a replicated matrix, rank 0 the whole.
+Region saved_region(const ShardLayout& layout, int rank) {
+  if (!layout.is_sharded() && rank != 0) return Region{};
+  return local_region(layout, rank);
+}
+
+const char* safetensors_dtype(shardmuon_dtype dtype) {
+  return dtype == SHARDMUON_FLOAT64 ? "F64" : dtype == SHARDMUON_FLOAT32 ? "F32" : "BF16";
+}
+
+double load_element(const unsigned char* data, const std::string& dtype, int64_t i) {
+  if (dtype == "F64") {
+    double v;
+    std::memcpy(&v, data + i * 8, 8);
+    return v;
+  }
+  if (dtype == "F32") {
+    float v;
+    std::memcpy(&v, data + i * 4, 4);
+    return v;
+  }
+  uint16_t bits;
+  std::memcpy(&bits, data + i * 2, 2);
+  return bf16_bits_to_float(bits);
+}
+
+void store_element(unsigned char* data, shardmuon_dtype dtype, int64_t i, double value) {
+  if (dtype == SHARDMUON_FLOAT64) {
+    std::memcpy(data + i * 8, &value, 8);
+  } else if (dtype == SHARDMUON_FLOAT32) {
+    const float v = static_cast<float>(value);
+    std::memcpy(data + i * 4, &v, 4);
+  } else {
+    const uint16_t bits = float_to_bf16_bits(static_cast<float>(value));
+    std::memcpy(data + i * 2, &bits, 2);
+  }
+}
+
+uint32_t crc32_of(const std::vector<unsigned char>& bytes) {
+  return static_cast<uint32_t>(::crc32_z(::crc32_z(0L, Z_NULL, 0), bytes.data(), bytes.size()));
+}
+
+std::string rank_file_name(int rank, int ranks, const std::string& token) {
+  char name[96];
+  std::snprintf(name, sizeof name, "shardmuon-rank-%05d-of-%05d-%s.safetensors", rank, ranks,
+                token.c_str());
+  return name;
+}
+
+const char* weight_decay_name(shardmuon_weight_decay mode) {
+  switch (mode) {
+    case SHARDMUON_WEIGHT_DECAY_DECOUPLED: return "decoupled";
+    case SHARDMUON_WEIGHT_DECAY_L2: return "l2";
+    case SHARDMUON_WEIGHT_DECAY_INDEPENDENT: return "independent";
+    case SHARDMUON_WEIGHT_DECAY_NONE: return "none";
+  }
+  return "?";
+}
+
+const char* scale_mode_name(shardmuon_scale_mode mode) {
+  switch (mode) {
+    case SHARDMUON_SCALE_SPECTRAL: return "spectral";
+    case SHARDMUON_SCALE_SHAPE_SCALING: return "shape_scaling";
+    case SHARDMUON_SCALE_UNIT_RMS_NORM: return "unit_rms_norm";
+    case SHARDMUON_SCALE_NONE: return "none";
+  }
+  return "?";
+}
+
+template <typename Enum>
+Enum enum_from_name(const std::string& name, int count, const char* (*name_of)(Enum),
+                    const char* what) {
+  for (int value = 0; value < count; ++value) {
+    if (name == name_of(static_cast<Enum>(value))) return static_cast<Enum>(value);
+  }
+  fail(SHARDMUON_ERROR_INVALID_ARGUMENT, "the checkpoint names an unknown ", what, " \"", name,
+       "\"");
+}
+
+const char* schedule_label(shardmuon_schedule schedule) {
+  return schedule_name(schedule);
+}
+
+json group_to_json(const shardmuon_muon_group& group) {
+  json ns = {{"iterations", group.ns.num_iterations},
+             {"schedule", schedule_name(group.ns.schedule)},
+             {"eps", group.ns.eps},
+             {"algorithm", static_cast<int>(group.ns.algorithm)}};
+  if (group.ns.schedule == SHARDMUON_SCHEDULE_CUSTOM) {
+    json coefficients = json::array();
+    for (const Coefficients& k : coefficients_for(group.ns))
+      coefficients.push_back({k.a, k.b, k.c});
+    ns["custom_coefficients"] = coefficients;
+  }
+  return {{"lr", group.lr},
+          {"momentum", group.momentum},
+          {"nesterov", group.nesterov != 0},
+          {"weight_decay", group.weight_decay},
+          {"weight_decay_mode", weight_decay_name(group.weight_decay_mode)},
+          {"scale_mode", scale_mode_name(group.scale_mode)},
+          {"extra_scale_factor", group.extra_scale_factor},
+          {"ns", ns}};
+}
+
+// The saved group; a custom schedule's coefficients must be the caller's (whose pointer stays).
+shardmuon_muon_group group_from_json(const json& saved, const shardmuon_muon_group& caller,
+                                     int index) {
+  shardmuon_muon_group group = caller;
+  group.lr = saved.at("lr").get<double>();
+  group.momentum = saved.at("momentum").get<double>();
+  group.nesterov = saved.at("nesterov").get<bool>() ? 1 : 0;
+  group.weight_decay = saved.at("weight_decay").get<double>();
+  group.weight_decay_mode = enum_from_name<shardmuon_weight_decay>(
+      saved.at("weight_decay_mode").get<std::string>(), 4, weight_decay_name, "weight decay mode");
+  group.scale_mode = enum_from_name<shardmuon_scale_mode>(saved.at("scale_mode").get<std::string>(),
+                                                          4, scale_mode_name, "scale mode");
+  group.extra_scale_factor = saved.at("extra_scale_factor").get<double>();
+  const json& ns = saved.at("ns");
+  group.ns.num_iterations = ns.at("iterations").get<int>();
+  group.ns.schedule = enum_from_name<shardmuon_schedule>(ns.at("schedule").get<std::string>(), 6,
+                                                         schedule_label, "schedule");
+  group.ns.eps = ns.at("eps").get<double>();
+  group.ns.algorithm = static_cast<shardmuon_ns_algorithm>(ns.at("algorithm").get<int>());
+  if (group.ns.schedule == SHARDMUON_SCHEDULE_CUSTOM) {
+    const auto saved_coefficients =
+        ns.at("custom_coefficients").get<std::vector<std::vector<double>>>();
+    bool same = caller.ns.schedule == SHARDMUON_SCHEDULE_CUSTOM &&
+                caller.ns.custom_coefficients != nullptr &&
+                caller.ns.num_custom_coefficients == static_cast<int>(saved_coefficients.size());
+    for (size_t k = 0; same && k < saved_coefficients.size(); ++k) {
+      for (size_t j = 0; j < 3; ++j) {
+        same = same && saved_coefficients[k].size() == 3 &&
+               caller.ns.custom_coefficients[3 * k + j] == saved_coefficients[k][j];
+      }
+    }
+    SHARDMUON_CHECK_ARG(same, "groups[", index, "] was saved with a custom schedule of ",
+                        saved_coefficients.size(),
+                        " coefficient triples; pass the same ones in groups[", index,
+                        "].ns.custom_coefficients to load it");
+    group.ns.num_custom_coefficients = static_cast<int>(saved_coefficients.size());
+  }
+  validate_muon_group(group, index);
+  return group;
+}
+
+uint64_t random_token() {
+  std::random_device device;
+  const uint64_t high = device(), low = device();
+  return ((high << 32) | low) >> 1;  // 63 bits, so it travels through the int64 maximum
+}
+
+std::string hex(uint64_t value) {
+  char text[17];
+  std::snprintf(text, sizeof text, "%016llx", static_cast<unsigned long long>(value));
+  return text;
+}
+
+// Runs a phase on this rank and turns any failure into an exception pointer for the
+// agreement that follows (I/O, JSON and filesystem errors included).
+template <typename Phase>
+std::exception_ptr attempt(Phase&& phase) {
+  try {
+    phase();
+  } catch (const Failure&) {
+    return std::current_exception();
+  } catch (const json::exception& e) {
+    return std::make_exception_ptr(Failure(
+        SHARDMUON_ERROR_INVALID_ARGUMENT, std::string("the checkpoint is malformed: ") + e.what()));
+  } catch (const std::filesystem::filesystem_error& e) {
+    return std::make_exception_ptr(Failure(SHARDMUON_ERROR_INTERNAL, e.what()));
+  } catch (const std::bad_alloc&) {
+    return std::make_exception_ptr(
+        Failure(SHARDMUON_ERROR_OUT_OF_MEMORY, "out of host memory while staging the checkpoint"));
+  }
+  return nullptr;
+}
+
+}  // namespace
+
+std::vector<std::string> validate_checkpoint_names(const char* const* names, int num_params) {
+  std::vector<std::string> result;
+  SHARDMUON_CHECK_ARG(num_params == 0 || names != nullptr, "names is NULL");
+  std::set<std::string> seen;
+  for (int i = 0; i < num_params; ++i) {
+    SHARDMUON_CHECK_ARG(names[i] != nullptr, "names[", i, "] is NULL");
+    const std::string name = names[i];
+    SHARDMUON_CHECK_ARG(!name.empty() && name.size() <= 200, "names[", i,
+                        "] must have 1 to 200 characters, got ", name.size());
+    for (char c : name) {
+      SHARDMUON_CHECK_ARG(
+          std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '.' || c == '-', "names[",
+          i, "] = \"", name, "\" has a character outside [A-Za-z0-9_.-]");
+    }
+    SHARDMUON_CHECK_ARG(seen.insert(name).second, "names[", i, "] = \"", name, "\" is not unique");
+    result.push_back(name);
+  }
+  return result;
+}
+
+void save_muon_checkpoint(Backend& backend, Communicator& comm, const std::string& directory,
+                          const ValidatedMuonStep& params, const std::vector<std::string>& names,
+                          const shardmuon_muon_group* groups, int num_groups, int64_t step,
+                          Stream stream) {
+  const int rank = comm.rank(), ranks = comm.size();
+  // A token unique to this save names its files, so a reader never mixes in another save's.
+  int64_t token_value = rank == 0 ? static_cast<int64_t>(random_token()) : 0;
+  comm.agree_max(&token_value, 1);
+  const std::string token = hex(static_cast<uint64_t>(token_value));
+
+  std::exception_ptr failure = attempt([&] {
+    std::filesystem::create_directories(directory);
+    std::vector<std::vector<unsigned char>> host(params.plans.size());
+    for (size_t i = 0; i < params.plans.size(); ++i) {
+      const MuonParamPlan& plan = params.plans[i];
+      const Region piece = saved_region(plan.ns.layout, rank);
+      host[i].resize(piece.elements() * element_size(plan.ns.dtype));
+      backend.copy_to_host(host[i].data(), plan.param->momentum, host[i].size(), stream);
+    }
+    backend.synchronize(stream);
+    std::vector<SafetensorsTensor> tensors;
+    json pieces = json::object();
+    for (size_t i = 0; i < params.plans.size(); ++i) {
+      const MuonParamPlan& plan = params.plans[i];
+      const Region piece = saved_region(plan.ns.layout, rank);
+      if (piece.elements() == 0) continue;
+      tensors.push_back({names[i],
+                         safetensors_dtype(plan.ns.dtype),
+                         {piece.rows, piece.cols},
+                         host[i].data(),
+                         host[i].size()});
+      pieces[names[i]] = {{"row0", piece.row0}, {"col0", piece.col0}, {"crc32", crc32_of(host[i])}};
+    }
+    const std::map<std::string, std::string> metadata = {{"format", kFormat},
+                                                         {"version", std::to_string(kVersion)},
+                                                         {"token", token},
+                                                         {"rank", std::to_string(rank)},
+                                                         {"world", std::to_string(ranks)},
+                                                         {"pieces", pieces.dump()}};
+    write_safetensors_atomically(directory + "/" + rank_file_name(rank, ranks, token), tensors,
+                                 metadata);
+  });
+  agree_across_ranks(comm, failure, 0, "",
+                     "could not write its checkpoint file (its own error message says why); the "
+                     "previous checkpoint in the directory, if any, is still the valid one");
+
+  // The index, written last, is what makes the new checkpoint the valid one.
+  failure = attempt([&] {
+    if (rank != 0) return;
+    json index = {{"format", kFormat},       {"version", kVersion}, {"token", token},
+                  {"world", ranks},          {"step", step},        {"groups", json::array()},
+                  {"params", json::object()}};
+    for (int g = 0; g < num_groups; ++g) index["groups"].push_back(group_to_json(groups[g]));
+    for (size_t i = 0; i < params.plans.size(); ++i) {
+      const ShardLayout& layout = params.plans[i].ns.layout;
+      json pieces = json::array();
+      for (int r = 0; r < ranks; ++r) {
+        const Region piece = saved_region(layout, r);
+        if (piece.elements() == 0) continue;
+        pieces.push_back({{"file", rank_file_name(r, ranks, token)},
+                          {"row0", piece.row0},
+                          {"col0", piece.col0},
+                          {"rows", piece.rows},
+                          {"cols", piece.cols}});
+      }
+      index["params"][names[i]] = {{"rows", layout.rows()},
+                                   {"cols", layout.cols()},
+                                   {"dtype", safetensors_dtype(params.plans[i].ns.dtype)},
+                                   {"pieces", pieces}};
+    }
+    write_file_atomically(directory + "/" + kIndexName, index.dump(1));
+    // Files of earlier saves (and temporaries a crash left) are no longer referenced.
+    for (const auto& entry : std::filesystem::directory_iterator(directory)) {
+      const std::string file = entry.path().filename().string();
+      const bool ours = file.rfind("shardmuon-rank-", 0) == 0 || file.rfind(kIndexName, 0) == 0;
+      const bool current = file.find(token) != std::string::npos || file == kIndexName;
+      if (ours && !current) {
+        std::error_code ignored;
+        std::filesystem::remove(entry.path(), ignored);
+      }
+    }
+  });
+  agree_across_ranks(comm, failure, 0, "",
+                     "could not write the checkpoint index (its own error message says why)");
+}
+
+void load_muon_checkpoint(Backend& backend, Communicator& comm, const std::string& directory,
+                          const ValidatedMuonStep& params, const std::vector<std::string>& names,
+                          shardmuon_muon_group* groups, int num_groups, int64_t* step,
+                          Stream stream) {
+  const int rank = comm.rank();
+  std::vector<std::vector<unsigned char>> staged(params.plans.size());
+  std::vector<shardmuon_muon_group> loaded_groups;
+  int64_t loaded_step = 0;
+
+  std::exception_ptr failure = attempt([&] {
+    const std::string index_path = directory + "/" + kIndexName;
+    json index;
+    try {
+      index = json::parse(read_text_file(index_path));
+    } catch (const json::exception& e) {
+      fail(SHARDMUON_ERROR_INVALID_ARGUMENT, "checkpoint index ", index_path,
+           " is not JSON: ", e.what());
+    }
+    SHARDMUON_CHECK_ARG(index.value("format", "") == kFormat, "checkpoint index ", index_path,
+                        " is not a shardmuon Muon checkpoint");
+    SHARDMUON_CHECK_ARG(index.at("version").get<int>() == kVersion, "checkpoint index ", index_path,
+                        " has version ", index.at("version").get<int>(),
+                        "; this library reads version ", kVersion);
+    const std::string token = index.at("token").get<std::string>();
+    loaded_step = index.at("step").get<int64_t>();
+    const json& saved_groups = index.at("groups");
+    if (groups != nullptr) {
+      SHARDMUON_CHECK_ARG(static_cast<int>(saved_groups.size()) == num_groups, "num_groups is ",
+                          num_groups, " but the checkpoint holds ", saved_groups.size(), " groups");
+      for (int g = 0; g < num_groups; ++g) {
+        loaded_groups.push_back(group_from_json(saved_groups[g], groups[g], g));
+      }
+    }
+
+    std::map<std::string, SafetensorsHeader> headers;  // by file
+    for (size_t i = 0; i < params.plans.size(); ++i) {
+      const MuonParamPlan& plan = params.plans[i];
+      const ShardLayout& layout = plan.ns.layout;
+      const std::string& name = names[i];
+      SHARDMUON_CHECK_ARG(index.at("params").contains(name), "params[", i, "] \"", name,
+                          "\" is not in the checkpoint");
+      const json& saved = index.at("params").at(name);
+      SHARDMUON_CHECK_ARG(saved.at("rows").get<int64_t>() == layout.rows() &&
+                              saved.at("cols").get<int64_t>() == layout.cols(),
+                          "params[", i, "] \"", name, "\" was saved as ",
+                          saved.at("rows").get<int64_t>(), " x ", saved.at("cols").get<int64_t>(),
+                          " but its layout now says ", layout.rows(), " x ", layout.cols());
+      const Region target = local_region(layout, rank);
+      if (target.elements() == 0) continue;
+      staged[i].resize(target.elements() * element_size(plan.ns.dtype));
+      int64_t covered = 0;
+      for (const json& piece_json : saved.at("pieces")) {
+        const Region piece{
+            piece_json.at("row0").get<int64_t>(), piece_json.at("col0").get<int64_t>(),
+            piece_json.at("rows").get<int64_t>(), piece_json.at("cols").get<int64_t>()};
+        const Region overlap = intersect(piece, target);
+        if (overlap.elements() == 0) continue;
+        const std::string file = piece_json.at("file").get<std::string>();
+        SHARDMUON_CHECK_ARG(file.find('/') == std::string::npos,
+                            "the checkpoint index names a file "
+                            "outside its directory: ",
+                            file);
+        const std::string path = directory + "/" + file;
+        auto cached = headers.find(path);
+        if (cached == headers.end()) {
+          SafetensorsHeader header = read_safetensors_header(path);
+          SHARDMUON_CHECK_ARG(header.metadata["token"] == token, "checkpoint file ", path,
+                              " belongs to another save than the index (token ",
+                              header.metadata["token"], ", index ", token, ")");
+          cached = headers.emplace(path, std::move(header)).first;
+        }
+        const SafetensorsHeader& header = cached->second;
+        const SafetensorsEntry* entry = header.find(name);
+        SHARDMUON_CHECK_ARG(entry != nullptr && entry->shape.size() == 2 &&
+                                entry->shape[0] == piece.rows && entry->shape[1] == piece.cols,
+                            "checkpoint file ", path, " lacks the ", piece.rows, " x ", piece.cols,
+                            " piece of \"", name, "\" that the index lists");
+        const json file_pieces = json::parse(header.metadata.at("pieces"));
+        const json& recorded = file_pieces.at(name);
+        SHARDMUON_CHECK_ARG(recorded.at("row0").get<int64_t>() == piece.row0 &&
+                                recorded.at("col0").get<int64_t>() == piece.col0,
+                            "checkpoint file ", path, " places \"", name,
+                            "\" elsewhere than the index");
+        const std::vector<unsigned char> bytes = read_safetensors_tensor(path, header, *entry);
+        SHARDMUON_CHECK_ARG(crc32_of(bytes) == recorded.at("crc32").get<uint32_t>(),
+                            "checkpoint file ", path, " is corrupted: the CRC-32 of \"", name,
+                            "\" does not match the one recorded when it was written");
+        for (int64_t r = 0; r < overlap.rows; ++r) {
+          for (int64_t c = 0; c < overlap.cols; ++c) {
+            const int64_t source =
+                (overlap.row0 - piece.row0 + r) * piece.cols + (overlap.col0 - piece.col0 + c);
+            const int64_t destination =
+                (overlap.row0 - target.row0 + r) * target.cols + (overlap.col0 - target.col0 + c);
+            store_element(staged[i].data(), plan.ns.dtype, destination,
+                          load_element(bytes.data(), entry->dtype, source));
+          }
+        }
+        covered += overlap.elements();
+      }
+      SHARDMUON_CHECK_ARG(covered == target.elements(), "the checkpoint's pieces of \"", name,
+                          "\" cover ", covered, " of the ", target.elements(),
+                          " elements this rank needs");
+    }
+  });
+  agree_across_ranks(comm, failure, 0, "",
+                     "could not load the checkpoint (its own error message says why); no rank "
+                     "modified anything");
+
+  // Every rank has everything: only now is the running state replaced.
+  for (size_t i = 0; i < params.plans.size(); ++i) {
+    backend.copy_from_host(params.plans[i].param->momentum, staged[i].data(), staged[i].size(),
+                           stream);
+  }
+  backend.synchronize(stream);
+  *step = loaded_step;
+  for (size_t g = 0; g < loaded_groups.size(); ++g) groups[g] = loaded_groups[g];
+}
+
+}  // namespace shardmuon

@@ -1,0 +1,312 @@
+// Optimizer checkpoints: a round trip, loading on another number of ranks and another
+// layout (saved on 2 ranks, loaded on 3 and on 1), the step count and hyperparameters, and
+// damaged checkpoints, which must fail on every rank with the running state untouched.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "../common/harness.h"
+#include "../common/ns_runner.h"
+#include "../common/reference.h"
+
+namespace shardmuon_test {
+namespace {
+
+// A directory every rank of the world sees (they share a machine), made by rank 0.
+std::string shared_temporary_directory() {
+  char path[256] = {0};
+  if (Harness::get().world_rank() == 0) {
+    std::snprintf(path, sizeof path, "%s/shardmuon-checkpoint-XXXXXX",
+                  std::filesystem::temp_directory_path().c_str());
+    if (mkdtemp(path) == nullptr) path[0] = '\0';
+  }
+  MPI_Bcast(path, sizeof path, MPI_CHAR, 0, MPI_COMM_WORLD);
+  return path;
+}
+
+// The state of an optimizer over three parameters, with its momentum in the backend's memory.
+struct State {
+  struct Param {
+    std::string name;
+    Matrix momentum;  // the logical matrix
+    shardmuon_dtype dtype;
+    shardmuon_partition partition;
+    std::vector<int64_t> sizes;
+    Buffer param_buffer, momentum_buffer;
+  };
+  std::vector<Param> params;
+  std::vector<shardmuon_muon_param> api;
+  std::vector<const char*> names;
+
+  // The same logical matrices (from the seeds) under a layout chosen by `layout_kind`.
+  State(const Group& group, int layout_kind, bool zero_momentum) {
+    const int64_t shapes[3][2] = {{37, 53}, {64, 17}, {29, 31}};
+    const shardmuon_dtype dtypes[3] = {SHARDMUON_FLOAT32, SHARDMUON_BFLOAT16, SHARDMUON_FLOAT32};
+    const char* param_names[3] = {"layers.0.qkv.weight", "layers.0.out.weight", "head-proj_2"};
+    for (int i = 0; i < 3; ++i) {
+      Param p;
+      p.name = param_names[i];
+      p.dtype = dtypes[i];
+      p.momentum = rounded_to(random_gaussian(shapes[i][0], shapes[i][1], 40 + i), p.dtype);
+      // kind 0: dim 1, uneven; kind 1: dim 0, balanced; kind 2: replicated.
+      const int kind = (layout_kind + i) % 3;
+      p.partition = kind == 0   ? SHARDMUON_SHARDED_DIM1
+                    : kind == 1 ? SHARDMUON_SHARDED_DIM0
+                                : SHARDMUON_REPLICATED;
+      if (kind == 0) p.sizes = uneven_sizes(shapes[i][1], group.size);
+      if (kind == 1) p.sizes = balanced_sizes(shapes[i][0], group.size);
+      std::vector<double> shard = extract_shard(p.momentum, p.partition, p.sizes, group.rank);
+      p.param_buffer = Harness::get().upload(to_bytes(shard, p.dtype));
+      if (zero_momentum) shard.assign(shard.size(), 0.0);
+      p.momentum_buffer = Harness::get().upload(to_bytes(shard, p.dtype));
+      params.push_back(std::move(p));
+    }
+    for (Param& p : params) {
+      shardmuon_muon_param a{};
+      a.param = p.param_buffer.data();
+      a.momentum = p.momentum_buffer.data();
+      a.dtype = p.dtype;
+      a.layout = make_layout(p.momentum, p.partition, group.size, p.sizes);
+      a.no_grad = 1;
+      api.push_back(a);
+      names.push_back(p.name.c_str());
+    }
+  }
+
+  std::vector<std::vector<unsigned char>> momentum_bytes() const {
+    std::vector<std::vector<unsigned char>> bytes;
+    for (const Param& p : params) bytes.push_back(Harness::get().download(p.momentum_buffer));
+    return bytes;
+  }
+};
+
+// The file rank 0 wrote in the directory.
+std::string first_rank_file(const std::string& directory) {
+  for (const auto& entry : std::filesystem::directory_iterator(directory)) {
+    if (entry.path().filename().string().rfind("shardmuon-rank-00000", 0) == 0) {
+      return entry.path().string();
+    }
+  }
+  return std::string();
+}
+
+shardmuon_muon_group some_group(double lr) {
+  shardmuon_muon_group group;
+  shardmuon_muon_group_default(&group);
+  group.lr = lr;
+  group.momentum = 0.9;
+  group.weight_decay_mode = SHARDMUON_WEIGHT_DECAY_L2;
+  group.scale_mode = SHARDMUON_SCALE_UNIT_RMS_NORM;
+  group.ns.schedule = SHARDMUON_SCHEDULE_POLAR_EXPRESS;
+  group.ns.num_iterations = 8;
+  return group;
+}
+
+shardmuon_status save(const Group& group, State& state, const std::string& directory,
+                      const shardmuon_muon_group& hyper, int64_t step) {
+  return shardmuon_muon_save(
+      Harness::get().context(), group.comm, directory.c_str(), state.api.data(), state.names.data(),
+      static_cast<int>(state.api.size()), &hyper, 1, step, Harness::get().stream());
+}
+
+shardmuon_status load(const Group& group, State& state, const std::string& directory,
+                      shardmuon_muon_group* hyper, int64_t* step) {
+  return shardmuon_muon_load(
+      Harness::get().context(), group.comm, directory.c_str(), state.api.data(), state.names.data(),
+      static_cast<int>(state.api.size()), hyper, hyper ? 1 : 0, step, Harness::get().stream());
+}
+
+class Checkpoint : public DistributedTest {
+ protected:
+  void SetUp() override { directory_ = shared_temporary_directory(); }
+  void TearDown() override {
+    MPI_Barrier(MPI_COMM_WORLD);
+    if (Harness::get().world_rank() == 0 && !directory_.empty()) {
+      std::filesystem::remove_all(directory_);
+    }
+    DistributedTest::TearDown();
+  }
+  std::string directory_;
+};
+
+// Saved on the largest group up to 2 ranks; loaded on every group size (1..4 on the CPU),
+// each time with other layouts, and compared with the logical momentum.
+TEST_F(Checkpoint, LoadsOnAnyNumberOfRanksAndLayouts) {
+  ASSERT_FALSE(directory_.empty());
+  const int saver_size = std::min(2, Harness::get().max_group_size());
+  const Group& saver = Harness::get().group(saver_size);
+  if (saver.member) {
+    State state(saver, 0, false);
+    const shardmuon_muon_group hyper = some_group(0.0123);
+    ASSERT_EQ(save(saver, state, directory_, hyper, 17), SHARDMUON_SUCCESS)
+        << shardmuon_last_error();
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  for (int p = 1; p <= Harness::get().max_group_size(); ++p) {
+    const Group& group = Harness::get().group(p);
+    if (!group.member) continue;
+    for (int layout_kind = 1; layout_kind <= 2; ++layout_kind) {
+      State state(group, layout_kind, /*zero_momentum=*/true);
+      shardmuon_muon_group hyper;
+      shardmuon_muon_group_default(&hyper);
+      int64_t step = -1;
+      ASSERT_TRUE(
+          group_all(load(group, state, directory_, &hyper, &step) == SHARDMUON_SUCCESS, group.mpi))
+          << shardmuon_last_error();
+      EXPECT_EQ(step, 17);
+      EXPECT_EQ(hyper.lr, 0.0123);
+      EXPECT_EQ(hyper.momentum, 0.9);
+      EXPECT_EQ(hyper.weight_decay_mode, SHARDMUON_WEIGHT_DECAY_L2);
+      EXPECT_EQ(hyper.scale_mode, SHARDMUON_SCALE_UNIT_RMS_NORM);
+      EXPECT_EQ(hyper.ns.schedule, SHARDMUON_SCHEDULE_POLAR_EXPRESS);
+      EXPECT_EQ(hyper.ns.num_iterations, 8);
+      const auto loaded = state.momentum_bytes();
+      for (size_t i = 0; i < state.params.size(); ++i) {
+        const State::Param& param = state.params[i];
+        // Saved in this dtype from the same (rounded) values: the round trip is exact.
+        const std::vector<double> expected =
+            extract_shard(param.momentum, param.partition, param.sizes, group.rank);
+        EXPECT_EQ(from_bytes(loaded[i], param.dtype), expected)
+            << param.name << " on " << p << " ranks, layout kind " << layout_kind;
+      }
+    }
+  }
+}
+
+// Loading without the groups leaves hyperparameters to the caller; into another dtype, the
+// values are converted.
+TEST_F(Checkpoint, LoadsWithoutGroupsAndIntoAnotherDtype) {
+  const Group& group = Harness::get().group(1);
+  if (group.member) {
+    State state(group, 0, false);
+    ASSERT_EQ(save(group, state, directory_, some_group(0.01), 3), SHARDMUON_SUCCESS)
+        << shardmuon_last_error();
+    State other(group, 0, true);
+    // The first parameter was saved as float32; load it as bf16.
+    std::vector<double> zeros(other.params[0].momentum.values.size(), 0.0);
+    other.params[0].momentum_buffer = Harness::get().upload(to_bytes(zeros, SHARDMUON_BFLOAT16));
+    other.api[0].momentum = other.params[0].momentum_buffer.data();
+    other.params[0].param_buffer = Harness::get().upload(to_bytes(zeros, SHARDMUON_BFLOAT16));
+    other.api[0].param = other.params[0].param_buffer.data();
+    other.api[0].dtype = SHARDMUON_BFLOAT16;
+    int64_t step = 0;
+    ASSERT_EQ(load(group, other, directory_, nullptr, &step), SHARDMUON_SUCCESS)
+        << shardmuon_last_error();
+    EXPECT_EQ(step, 3);
+    const auto loaded = other.momentum_bytes();
+    EXPECT_EQ(from_bytes(loaded[0], SHARDMUON_BFLOAT16),
+              rounded_to(state.params[0].momentum, SHARDMUON_BFLOAT16).values);
+  }
+}
+
+// Damaged checkpoints: every rank gets an error, and no momentum buffer, step or group changes.
+TEST_F(Checkpoint, DamagedCheckpointsFailCleanly) {
+  const int p = std::min(2, Harness::get().max_group_size());
+  const Group& group = Harness::get().group(p);
+  struct Damage {
+    const char* name;
+    void (*apply)(const std::string& directory);
+    const char* message;  // in the error of the rank that reads the damage
+  };
+  const Damage damages[] = {
+      {"flipped data byte",
+       [](const std::string& d) {
+         const std::string file = first_rank_file(d);
+         std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
+         f.seekg(-3, std::ios::end);
+         const char c = static_cast<char>(f.get());
+         f.seekp(-3, std::ios::end);
+         f.put(static_cast<char>(c ^ 0x10));
+       },
+       "is corrupted: the CRC-32"},
+      {"truncated file",
+       [](const std::string& d) {
+         const std::string file = first_rank_file(d);
+         std::filesystem::resize_file(file, std::filesystem::file_size(file) - 100);
+       },
+       "truncated?"},
+      {"header garbage",
+       [](const std::string& d) {
+         std::fstream f(first_rank_file(d), std::ios::in | std::ios::out | std::ios::binary);
+         f.seekp(8);  // the header's opening brace
+         f.write("]]]]", 4);
+       },
+       "is not JSON"},
+      {"index garbage",
+       [](const std::string& d) {
+         std::ofstream(d + "/shardmuon-checkpoint.json") << "{\"format\": ";
+       },
+       "is not JSON"},
+      {"missing rank file",
+       [](const std::string& d) { std::filesystem::remove(first_rank_file(d)); }, "cannot open"},
+      {"missing index",
+       [](const std::string& d) { std::filesystem::remove(d + "/shardmuon-checkpoint.json"); },
+       "cannot open"},
+  };
+  for (const Damage& damage : damages) {
+    if (group.member) {
+      State state(group, 0, false);
+      ASSERT_EQ(save(group, state, directory_, some_group(0.02), 9), SHARDMUON_SUCCESS)
+          << shardmuon_last_error();
+    }
+    MPI_Barrier(MPI_COMM_WORLD);
+    if (Harness::get().world_rank() == 0) damage.apply(directory_);
+    MPI_Barrier(MPI_COMM_WORLD);
+    if (!group.member) continue;
+    State state(group, 0, true);
+    const auto before = state.momentum_bytes();
+    shardmuon_muon_group hyper = some_group(0.5);
+    int64_t step = -7;
+    const shardmuon_status status = load(group, state, directory_, &hyper, &step);
+    const std::string error = shardmuon_last_error();
+    EXPECT_NE(status, SHARDMUON_SUCCESS) << damage.name;
+    if (status == SHARDMUON_ERROR_INVALID_ARGUMENT) {
+      EXPECT_NE(error.find(damage.message), std::string::npos)
+          << damage.name << ": \"" << error << "\" lacks \"" << damage.message << "\"";
+    } else {
+      EXPECT_EQ(status, SHARDMUON_ERROR_PEER_FAILED) << damage.name << ": " << error;
+    }
+    EXPECT_TRUE(group_all(status == SHARDMUON_ERROR_INVALID_ARGUMENT, group.mpi) || group.size > 1)
+        << damage.name;
+    EXPECT_EQ(state.momentum_bytes(), before) << damage.name;
+    EXPECT_EQ(step, -7) << damage.name;
+    EXPECT_EQ(hyper.lr, 0.5) << damage.name;
+  }
+}
+
+// A name that is not in the checkpoint, or a shape that changed: errors naming the parameter.
+TEST_F(Checkpoint, MismatchedParametersAreNamed) {
+  const Group& group = Harness::get().group(1);
+  if (!group.member) return;
+  State state(group, 0, false);
+  ASSERT_EQ(save(group, state, directory_, some_group(0.02), 1), SHARDMUON_SUCCESS);
+  int64_t step = 0;
+  State renamed(group, 0, true);
+  renamed.names[1] = "layers.0.renamed.weight";
+  EXPECT_EQ(load(group, renamed, directory_, nullptr, &step), SHARDMUON_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(shardmuon_last_error())
+                .find("\"layers.0.renamed.weight\" is not in the checkpoint"),
+            std::string::npos)
+      << shardmuon_last_error();
+  State reshaped(group, 0, true);
+  reshaped.api[2].layout.cols = 30;
+  reshaped.api[2].layout.partition = SHARDMUON_REPLICATED;
+  EXPECT_EQ(load(group, reshaped, directory_, nullptr, &step), SHARDMUON_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(shardmuon_last_error()).find("was saved as 29 x 31"), std::string::npos)
+      << shardmuon_last_error();
+  const char* bad_names[] = {"a", "a", "b"};
+  EXPECT_EQ(shardmuon_muon_load(Harness::get().context(), group.comm, directory_.c_str(),
+                                state.api.data(), bad_names, 3, nullptr, 0, &step,
+                                Harness::get().stream()),
+            SHARDMUON_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(shardmuon_last_error()).find("is not unique"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace shardmuon_test
