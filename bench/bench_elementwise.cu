@@ -1,0 +1,142 @@
+// The fused elementwise passes of a Muon step against the device's copy bandwidth, measured
+// in the same run on the same buffers.
+//
+// Bytes moved per element (each input read once, each output written once):
+//   copy (cudaMemcpyAsync device to device):        read 1, write 1
+//   momentum pass (Nesterov, decoupled decay):      read grad, momentum; write momentum, update
+//   momentum pass (L2 decay, which reads param too): read 3, write 2
+//   update pass:                                    read param, update; write param
+// Time: CUDA events around each launch, 5 warm-up runs, the median of 30; buffers of
+// 8192 x 28672 elements (470 MB each in bf16), far larger than the 60 MB L2.
+//
+//   bench_elementwise [rows cols]
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "core/backend.h"
+#include "cuda/muon_kernels.cuh"
+
+namespace {
+
+void check(cudaError_t code, const char* what) {
+  if (code != cudaSuccess) {
+    std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(code));
+    std::exit(1);
+  }
+}
+
+// Fills with a deterministic pseudo-random pattern in [-1, 1) (never zeros: zeros can run
+// faster than real data).
+template <typename T>
+__global__ void fill(T* data, int64_t count, uint32_t seed) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < count;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    uint32_t x = static_cast<uint32_t>(i) * 2654435761u ^ seed;
+    x ^= x >> 13;
+    x *= 0x5bd1e995u;
+    x ^= x >> 15;
+    data[i] = static_cast<T>(static_cast<float>(x) * (2.0f / 4294967296.0f) - 1.0f);
+  }
+}
+
+float median_ms(const std::function<void(cudaStream_t)>& work, cudaStream_t stream) {
+  cudaEvent_t start, stop;
+  check(cudaEventCreate(&start), "event");
+  check(cudaEventCreate(&stop), "event");
+  for (int i = 0; i < 5; ++i) work(stream);
+  std::vector<float> times;
+  for (int i = 0; i < 30; ++i) {
+    check(cudaEventRecord(start, stream), "record");
+    work(stream);
+    check(cudaEventRecord(stop, stream), "record");
+    check(cudaEventSynchronize(stop), "sync");
+    float ms = 0;
+    check(cudaEventElapsedTime(&ms, start, stop), "elapsed");
+    times.push_back(ms);
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
+
+template <typename T>
+void run(const char* dtype_name, shardmuon_dtype dtype, int64_t rows, int64_t cols) {
+  const int64_t count = rows * cols;
+  const size_t bytes = count * sizeof(T);
+  T *grad, *momentum, *param, *update, *copy;
+  for (T** buffer : {&grad, &momentum, &param, &update, &copy}) {
+    check(cudaMalloc(buffer, bytes), "cudaMalloc");
+  }
+  uint32_t seed = 1;
+  for (T* buffer : {grad, momentum, param, update, copy}) {
+    fill<<<4096, 256>>>(buffer, count, seed++);
+  }
+  check(cudaDeviceSynchronize(), "fill");
+  cudaStream_t stream;
+  check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+
+  struct Row {
+    std::string name;
+    double bytes_moved;
+    float ms;
+  };
+  std::vector<Row> rows_out;
+  rows_out.push_back({"copy (device to device)", 2.0 * bytes,
+                      median_ms([&](cudaStream_t s) {
+                        check(cudaMemcpyAsync(copy, param, bytes, cudaMemcpyDeviceToDevice, s),
+                              "copy");
+                      }, stream)});
+  for (bool l2 : {false, true}) {
+    shardmuon::MomentumPass pass;
+    pass.grad = grad;
+    pass.param = l2 ? param : nullptr;
+    pass.momentum = momentum;
+    pass.update = update;
+    pass.dtype = dtype;
+    pass.count = count;
+    pass.beta = 0.95;
+    pass.nesterov = true;
+    pass.l2_decay = l2 ? 0.01 : 0.0;
+    rows_out.push_back({l2 ? "momentum pass, L2 decay" : "momentum pass (Nesterov)",
+                        (l2 ? 5.0 : 4.0) * bytes,
+                        median_ms([&](cudaStream_t s) { shardmuon::momentum_pass_cuda(pass, s); },
+                                  stream)});
+  }
+  rows_out.push_back({"update pass", 3.0 * bytes, median_ms([&](cudaStream_t s) {
+                        shardmuon::update_pass_cuda(param, update, dtype, count, 0.999997, 1e-4, s);
+                      }, stream)});
+
+  const double copy_rate = rows_out[0].bytes_moved / (rows_out[0].ms * 1e-3) / 1e9;
+  std::printf("\n%s, %lld x %lld (%.0f MB per buffer)\n", dtype_name,
+              static_cast<long long>(rows), static_cast<long long>(cols), bytes / 1e6);
+  std::printf("%-28s %10s %12s %10s %14s\n", "pass", "time (ms)", "GB moved", "GB/s",
+              "of copy GB/s");
+  for (const Row& row : rows_out) {
+    const double rate = row.bytes_moved / (row.ms * 1e-3) / 1e9;
+    std::printf("%-28s %10.3f %12.2f %10.0f %13.1f%%\n", row.name.c_str(), row.ms,
+                row.bytes_moved / 1e9, rate, 100.0 * rate / copy_rate);
+  }
+  for (T* buffer : {grad, momentum, param, update, copy}) cudaFree(buffer);
+  cudaStreamDestroy(stream);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const int64_t rows = argc > 2 ? std::atoll(argv[1]) : 8192;
+  const int64_t cols = argc > 2 ? std::atoll(argv[2]) : 28672;
+  cudaDeviceProp properties;
+  check(cudaGetDeviceProperties(&properties, 0), "properties");
+  std::printf("device: %s, L2 %d MB\n", properties.name, properties.l2CacheSize >> 20);
+  run<__nv_bfloat16>("bf16", SHARDMUON_BFLOAT16, rows, cols);
+  run<float>("float32", SHARDMUON_FLOAT32, rows, cols);
+  return 0;
+}
