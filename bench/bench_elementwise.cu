@@ -90,10 +90,12 @@ void run(const char* dtype_name, shardmuon_dtype dtype, int64_t rows, int64_t co
   };
   std::vector<Row> rows_out;
   rows_out.push_back({"copy (device to device)", 2.0 * bytes,
-                      median_ms([&](cudaStream_t s) {
-                        check(cudaMemcpyAsync(copy, param, bytes, cudaMemcpyDeviceToDevice, s),
-                              "copy");
-                      }, stream)});
+                      median_ms(
+                          [&](cudaStream_t s) {
+                            check(cudaMemcpyAsync(copy, param, bytes, cudaMemcpyDeviceToDevice, s),
+                                  "copy");
+                          },
+                          stream)});
   for (bool l2 : {false, true}) {
     shardmuon::MomentumPass pass;
     pass.grad = grad;
@@ -105,18 +107,21 @@ void run(const char* dtype_name, shardmuon_dtype dtype, int64_t rows, int64_t co
     pass.beta = 0.95;
     pass.nesterov = true;
     pass.l2_decay = l2 ? 0.01 : 0.0;
-    rows_out.push_back({l2 ? "momentum pass, L2 decay" : "momentum pass (Nesterov)",
-                        (l2 ? 5.0 : 4.0) * bytes,
-                        median_ms([&](cudaStream_t s) { shardmuon::momentum_pass_cuda(pass, s); },
-                                  stream)});
+    rows_out.push_back(
+        {l2 ? "momentum pass, L2 decay" : "momentum pass (Nesterov)", (l2 ? 5.0 : 4.0) * bytes,
+         median_ms([&](cudaStream_t s) { shardmuon::momentum_pass_cuda(pass, s); }, stream)});
   }
-  rows_out.push_back({"update pass", 3.0 * bytes, median_ms([&](cudaStream_t s) {
-                        shardmuon::update_pass_cuda(param, update, dtype, count, 0.999997, 1e-4, s);
-                      }, stream)});
+  rows_out.push_back({"update pass", 3.0 * bytes,
+                      median_ms(
+                          [&](cudaStream_t s) {
+                            shardmuon::update_pass_cuda(param, update, dtype, count, 0.999997, 1e-4,
+                                                        s);
+                          },
+                          stream)});
 
   const double copy_rate = rows_out[0].bytes_moved / (rows_out[0].ms * 1e-3) / 1e9;
-  std::printf("\n%s, %lld x %lld (%.0f MB per buffer)\n", dtype_name,
-              static_cast<long long>(rows), static_cast<long long>(cols), bytes / 1e6);
+  std::printf("\n%s, %lld x %lld (%.0f MB per buffer)\n", dtype_name, static_cast<long long>(rows),
+              static_cast<long long>(cols), bytes / 1e6);
   std::printf("%-28s %10s %12s %10s %14s\n", "pass", "time (ms)", "GB moved", "GB/s",
               "of copy GB/s");
   for (const Row& row : rows_out) {
