@@ -205,6 +205,33 @@ SHARDMUON_API shardmuon_status shardmuon_comm_create_mpi(const void* mpi_comm,
  * behind the caller's own NCCL work. */
 SHARDMUON_API shardmuon_status shardmuon_comm_create_nccl(void* nccl_comm, shardmuon_comm_t* comm);
 
+/* A communicator whose collectives the caller implements (a framework's own process group,
+ * say PyTorch's gloo). Each function returns 0 on success, anything else on failure (the call
+ * then fails with SHARDMUON_ERROR_INTERNAL naming the operation). Buffers are in the memory of
+ * `backend` (host memory for the CPU backend); stream is the call's stream. Every rank of the
+ * group makes the same calls in the same order. */
+typedef struct shardmuon_comm_callbacks {
+  void* user_data; /* passed back to every function */
+  int rank;
+  int size;
+  /* In place, element-wise sum of count values of dtype (FLOAT32 or FLOAT64). */
+  int (*all_reduce_sum)(void* user_data, void* buffer, int64_t count, shardmuon_dtype dtype,
+                        void* stream);
+  /* buffer holds size blocks of block_bytes; block `rank` is this rank's; fill all others. */
+  int (*all_gather)(void* user_data, void* buffer, size_t block_bytes, void* stream);
+  /* Send send_bytes[r] bytes at send + send_offsets[r] to rank r; receive recv_bytes[r] bytes
+   * from rank r at recv + recv_offsets[r]. */
+  int (*all_to_all)(void* user_data, const void* send, const size_t* send_bytes,
+                    const size_t* send_offsets, void* recv, const size_t* recv_bytes,
+                    const size_t* recv_offsets, void* stream);
+  /* Host memory, blocking: element-wise maximum of count int64 values over the group. */
+  int (*agree_max)(void* user_data, int64_t* values, int count);
+} shardmuon_comm_callbacks;
+
+/* The callbacks are copied; user_data must outlive the handle. */
+SHARDMUON_API shardmuon_status shardmuon_comm_create_callbacks(
+    const shardmuon_comm_callbacks* callbacks, shardmuon_backend backend, shardmuon_comm_t* comm);
+
 /* Frees the handle (and the private resources it made); the wrapped communicator remains
  * the caller's. NULL is a no-op. */
 SHARDMUON_API shardmuon_status shardmuon_comm_destroy(shardmuon_comm_t comm);
@@ -236,6 +263,13 @@ SHARDMUON_API shardmuon_status shardmuon_comm_size(shardmuon_comm_t comm, int* s
 SHARDMUON_API shardmuon_status shardmuon_newton_schulz(
     shardmuon_context_t context, shardmuon_comm_t comm, void* local_shard, shardmuon_dtype dtype,
     const shardmuon_layout* layout, const shardmuon_ns_options* options, void* stream);
+
+/* The size and, if field is not NULL, the offset of a field of one of this header's structs,
+ * by name ("shardmuon_muon_param", "layout" ...), so that bindings written in other
+ * languages (the Python package's ctypes structs) can check their layout against the
+ * library's. INVALID_ARGUMENT for an unknown name. */
+SHARDMUON_API shardmuon_status shardmuon_abi_layout(const char* type, const char* field,
+                                                    size_t* size, size_t* offset);
 
 /* The algorithm shardmuon_newton_schulz would run for these arguments on a group of
  * comm_size ranks: AUTO resolved, and LOCAL or GRAM_ALLREDUCE_REDISTRIBUTED where they
@@ -298,7 +332,7 @@ typedef struct shardmuon_muon_param {
   shardmuon_layout layout;
   int group; /* index into the groups of the step */
   /* 1: the parameter has no gradient this step; it is skipped and its momentum left as it
-   * is (grad is not read). Every rank of the communicator must say the same (checked: a rank
+   * is (grad and momentum are not read, and may be NULL). Every rank of the communicator must say the same (checked: a rank
    * that disagrees makes every rank return RANK_MISMATCH). 0, the zero-initialized value,
    * means grad is this step's gradient. */
   int no_grad;

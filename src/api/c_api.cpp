@@ -1,5 +1,6 @@
 // The C API: thin entry points that check arguments, convert handles and call into the
 // internals. Every function runs inside api_guard, so no exception crosses the boundary.
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <exception>
@@ -302,6 +303,15 @@ shardmuon_status shardmuon_comm_create_nccl(void* nccl_comm, shardmuon_comm_t* c
   return create_comm(__func__, comm, [&] { return shardmuon::make_nccl_communicator(nccl_comm); });
 }
 
+shardmuon_status shardmuon_comm_create_callbacks(const shardmuon_comm_callbacks* callbacks,
+                                                 shardmuon_backend backend,
+                                                 shardmuon_comm_t* comm) {
+  return create_comm(__func__, comm, [&] {
+    SHARDMUON_CHECK_ARG(callbacks != nullptr, "callbacks is NULL");
+    return shardmuon::make_callback_communicator(*callbacks, backend);
+  });
+}
+
 shardmuon_status shardmuon_comm_destroy(shardmuon_comm_t comm) {
   return api_guard(__func__, [&] {
     if (comm == nullptr) return;
@@ -352,6 +362,75 @@ shardmuon_status shardmuon_newton_schulz(shardmuon_context_t context, shardmuon_
     }
     shardmuon::agree_across_ranks(group, local_error, call.digest, call.description);
     shardmuon::run_newton_schulz(*call.backend, group, call.problem, local_shard, stream);
+  });
+}
+
+shardmuon_status shardmuon_abi_layout(const char* type, const char* field, size_t* size,
+                                      size_t* offset) {
+  return api_guard(__func__, [&] {
+    SHARDMUON_CHECK_ARG(type != nullptr, "type is NULL");
+    SHARDMUON_CHECK_ARG(size != nullptr, "size is NULL");
+    const std::string t = type, f = field ? field : "";
+    struct Entry {
+      const char* type;
+      const char* field;
+      size_t size, offset;
+    };
+#define SHARDMUON_STRUCT(T) \
+  { #T, "", sizeof(T), 0 }
+#define SHARDMUON_FIELD(T, F) \
+  { #T, #F, sizeof(T::F), offsetof(T, F) }
+    static const Entry entries[] = {
+        SHARDMUON_STRUCT(shardmuon_layout),
+        SHARDMUON_FIELD(shardmuon_layout, rows),
+        SHARDMUON_FIELD(shardmuon_layout, cols),
+        SHARDMUON_FIELD(shardmuon_layout, partition),
+        SHARDMUON_FIELD(shardmuon_layout, num_shards),
+        SHARDMUON_FIELD(shardmuon_layout, shard_sizes),
+        SHARDMUON_STRUCT(shardmuon_ns_options),
+        SHARDMUON_FIELD(shardmuon_ns_options, num_iterations),
+        SHARDMUON_FIELD(shardmuon_ns_options, schedule),
+        SHARDMUON_FIELD(shardmuon_ns_options, custom_coefficients),
+        SHARDMUON_FIELD(shardmuon_ns_options, num_custom_coefficients),
+        SHARDMUON_FIELD(shardmuon_ns_options, eps),
+        SHARDMUON_FIELD(shardmuon_ns_options, algorithm),
+        SHARDMUON_STRUCT(shardmuon_muon_group),
+        SHARDMUON_FIELD(shardmuon_muon_group, lr),
+        SHARDMUON_FIELD(shardmuon_muon_group, momentum),
+        SHARDMUON_FIELD(shardmuon_muon_group, nesterov),
+        SHARDMUON_FIELD(shardmuon_muon_group, weight_decay),
+        SHARDMUON_FIELD(shardmuon_muon_group, weight_decay_mode),
+        SHARDMUON_FIELD(shardmuon_muon_group, scale_mode),
+        SHARDMUON_FIELD(shardmuon_muon_group, extra_scale_factor),
+        SHARDMUON_FIELD(shardmuon_muon_group, ns),
+        SHARDMUON_STRUCT(shardmuon_muon_param),
+        SHARDMUON_FIELD(shardmuon_muon_param, param),
+        SHARDMUON_FIELD(shardmuon_muon_param, grad),
+        SHARDMUON_FIELD(shardmuon_muon_param, momentum),
+        SHARDMUON_FIELD(shardmuon_muon_param, dtype),
+        SHARDMUON_FIELD(shardmuon_muon_param, layout),
+        SHARDMUON_FIELD(shardmuon_muon_param, group),
+        SHARDMUON_FIELD(shardmuon_muon_param, no_grad),
+        SHARDMUON_STRUCT(shardmuon_comm_callbacks),
+        SHARDMUON_FIELD(shardmuon_comm_callbacks, user_data),
+        SHARDMUON_FIELD(shardmuon_comm_callbacks, rank),
+        SHARDMUON_FIELD(shardmuon_comm_callbacks, size),
+        SHARDMUON_FIELD(shardmuon_comm_callbacks, all_reduce_sum),
+        SHARDMUON_FIELD(shardmuon_comm_callbacks, all_gather),
+        SHARDMUON_FIELD(shardmuon_comm_callbacks, all_to_all),
+        SHARDMUON_FIELD(shardmuon_comm_callbacks, agree_max),
+    };
+#undef SHARDMUON_STRUCT
+#undef SHARDMUON_FIELD
+    for (const Entry& entry : entries) {
+      if (t == entry.type && f == entry.field) {
+        *size = entry.size;
+        if (offset != nullptr) *offset = entry.offset;
+        return;
+      }
+    }
+    shardmuon::fail(SHARDMUON_ERROR_INVALID_ARGUMENT, "no struct or field \"", t,
+                    f.empty() ? "" : ".", f, "\" in shardmuon.h");
   });
 }
 

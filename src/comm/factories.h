@@ -14,4 +14,8 @@ std::unique_ptr<Communicator> make_self_communicator();
 std::unique_ptr<Communicator> make_mpi_communicator(const void* mpi_comm);
 std::unique_ptr<Communicator> make_nccl_communicator(void* nccl_comm);
 
+// Collectives implemented by the caller (see shardmuon_comm_callbacks).
+std::unique_ptr<Communicator> make_callback_communicator(const shardmuon_comm_callbacks& callbacks,
+                                                         shardmuon_backend backend);
+
 }  // namespace shardmuon

@@ -162,7 +162,11 @@ ValidatedMuonStep validate_muon_step(const Backend& backend, const Communicator&
     const int64_t elements = layout.local_elements(comm.rank());
     if (elements > 0) {
       check_buffer(backend, p.param, "param", i, elements, p.dtype, ranges);
-      check_buffer(backend, p.momentum, "momentum", i, elements, p.dtype, ranges);
+      // A step reads momentum only with a gradient (a framework may not have made the buffer
+      // of a parameter that never had one); checkpoints always read it.
+      if (plan.has_grad || !use_grads) {
+        check_buffer(backend, p.momentum, "momentum", i, elements, p.dtype, ranges);
+      }
       if (plan.has_grad) check_buffer(backend, p.grad, "grad", i, elements, p.dtype, ranges);
     }
     plan.ns = NsProblem{p.dtype, layout, coefficients_for(group.ns), group.ns.eps,

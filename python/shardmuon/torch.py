@@ -1,0 +1,434 @@
+"""The PyTorch front end: ``Muon``, a ``torch.optim.Optimizer`` whose step runs shardmuon's
+distributed Muon on tensor-parallel weight shards, and ``MuonWithAdamW``, which trains the
+non-matrix parameters with AdamW beside it.
+
+Arguments and defaults follow TransformerEngine's MuonOptimizer (lr 3e-4, momentum 0.95,
+Nesterov, weight decay 0.01 decoupled, quintic, 5 steps, spectral scale, eps 1e-7,
+process_group, partition_dim), and the state is TE's (``state[p]["momentum_buffer"]``).
+shardmuon adds weight_decay_mode (decoupled, l2, independent, none), custom coefficients,
+replicated parameters (partition_dim=-1), uneven shards, and CPU tensors.
+
+A parameter's sharding comes from its ``partition_dim`` attribute (as TransformerEngine and
+Megatron mark tensor-parallel weights; Megatron's ``tensor_model_parallel=False`` means
+replicated), else from its group's ``partition_dim``: 0 (column-parallel: rows split over the
+group), 1 (row-parallel: columns split), or -1 (replicated). Shards may be uneven; their sizes
+are exchanged once. In a group of one, every parameter is whole.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from typing import Any, Dict, Iterable, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from . import _capi as c
+from ._runtime import Communicator, Context, group_rank, group_size, normalize_group
+
+__all__ = ["Muon", "MuonWithAdamW", "muon_param_groups", "load_resharded_state_dict"]
+
+_DTYPES = {torch.float32: c.FLOAT32, torch.bfloat16: c.BFLOAT16, torch.float64: c.FLOAT64}
+
+
+def _split_names(params):
+    """Accepts tensors, dicts, or (name, tensor) pairs; returns torch's form and the names."""
+    params = list(params)
+    names: Dict[int, str] = {}
+
+    def unpack(items):
+        tensors = []
+        for item in items:
+            if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
+                names[id(item[1])] = item[0]
+                tensors.append(item[1])
+            else:
+                tensors.append(item)
+        return tensors
+
+    if params and isinstance(params[0], dict):
+        groups = []
+        for group in params:
+            group = dict(group)
+            group["params"] = unpack(list(group["params"]))
+            groups.append(group)
+        return groups, names
+    return unpack(params), names
+
+
+def _check_hyperparameters(group: Dict[str, Any], where: str) -> None:
+    if not (group["lr"] >= 0.0):
+        raise ValueError(f"{where}: invalid learning rate: {group['lr']}")
+    if not (0.0 <= group["momentum"] < 1.0):
+        raise ValueError(f"{where}: invalid momentum value: {group['momentum']}")
+    if not (group["weight_decay"] >= 0.0):
+        raise ValueError(f"{where}: invalid weight_decay value: {group['weight_decay']}")
+    if group["num_ns_steps"] < 1:
+        raise ValueError(f"{where}: num_ns_steps must be at least 1, got {group['num_ns_steps']}")
+    if group["coefficient_type"] not in c.SCHEDULES:
+        raise ValueError(f"{where}: unknown coefficient_type {group['coefficient_type']!r} "
+                         f"(one of {sorted(c.SCHEDULES)})")
+    if group["coefficient_type"] == "custom":
+        coefficients = group["custom_coefficients"]
+        if coefficients is None or len(coefficients) != group["num_ns_steps"]:
+            raise ValueError(f"{where}: coefficient_type='custom' needs custom_coefficients with one "
+                             f"(a, b, c) per step ({group['num_ns_steps']}), got {coefficients!r}")
+    if group["scale_mode"] not in c.SCALE_MODES:
+        raise ValueError(f"{where}: unknown scale_mode {group['scale_mode']!r} (one of {sorted(c.SCALE_MODES)})")
+    if _weight_decay_mode(group) not in c.WEIGHT_DECAY_MODES:
+        raise ValueError(f"{where}: unknown weight_decay_mode {group['weight_decay_mode']!r} "
+                         f"(one of {sorted(c.WEIGHT_DECAY_MODES)})")
+    if group["algorithm"] not in c.ALGORITHMS:
+        raise ValueError(f"{where}: unknown algorithm {group['algorithm']!r} (one of {sorted(c.ALGORITHMS)})")
+    if group["partition_dim"] not in (None, -1, 0, 1):
+        raise ValueError(f"{where}: partition_dim must be 0, 1 or -1 (replicated), got {group['partition_dim']}")
+
+
+def _weight_decay_mode(group: Dict[str, Any]) -> str:
+    """weight_decay_mode wins; else TE's use_decoupled_weight_decay (True: decoupled, False: L2)."""
+    mode = group.get("weight_decay_mode")
+    if mode is not None:
+        return mode
+    return "l2" if group.get("use_decoupled_weight_decay") is False else "decoupled"
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon over 2D parameters that may be sharded across ``process_group``.
+
+    Every rank of the group constructs the optimizer over its own shards of the same
+    parameters in the same order and calls ``step`` together. A parameter whose ``grad`` is
+    None is skipped on every rank (it must be None on all of them; the library checks).
+    """
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 3e-4,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        weight_decay: float = 0.01,
+        *,
+        use_decoupled_weight_decay: Optional[bool] = None,
+        weight_decay_mode: Optional[str] = None,
+        coefficient_type: str = "quintic",
+        num_ns_steps: int = 5,
+        custom_coefficients: Optional[Sequence[Sequence[float]]] = None,
+        scale_mode: str = "spectral",
+        extra_scale_factor: float = 1.0,
+        eps: float = 1e-7,
+        process_group=None,
+        partition_dim: Optional[int] = None,
+        algorithm: str = "auto",
+    ):
+        if weight_decay_mode is not None and use_decoupled_weight_decay is not None:
+            implied = "decoupled" if use_decoupled_weight_decay else "l2"
+            if implied != weight_decay_mode:
+                raise ValueError(f"use_decoupled_weight_decay={use_decoupled_weight_decay} contradicts "
+                                 f"weight_decay_mode={weight_decay_mode!r}")
+        params, self._param_names = _split_names(params)
+        defaults = dict(
+            lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
+            use_decoupled_weight_decay=use_decoupled_weight_decay,
+            weight_decay_mode=weight_decay_mode, coefficient_type=coefficient_type,
+            num_ns_steps=num_ns_steps, custom_coefficients=custom_coefficients,
+            scale_mode=scale_mode, extra_scale_factor=extra_scale_factor, eps=eps,
+            partition_dim=partition_dim, algorithm=algorithm,
+        )
+        _check_hyperparameters(defaults, "Muon")
+        super().__init__(params, defaults)
+        for index, group in enumerate(self.param_groups):
+            _check_hyperparameters(group, f"Muon param_groups[{index}]")
+        self.process_group = normalize_group(process_group)
+        self._contexts: Dict[torch.device, Context] = {}
+        self._comms: Dict[torch.device, Communicator] = {}
+        self._shard_sizes: Dict[int, List[int]] = {}
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def _name(self, param: torch.Tensor, group_index: int, index: int) -> str:
+        name = self._param_names.get(id(param))
+        if name is None:
+            name = f"param_groups[{group_index}]['params'][{index}]"
+        return f"{name} (shape {tuple(param.shape)}, {param.dtype}, {param.device})"
+
+    def _muon_groups(self):
+        """(index, group) of the groups this class steps (MuonWithAdamW leaves out the others)."""
+        return list(enumerate(self.param_groups))
+
+    def _partition_dim(self, param, group, name: str) -> Optional[int]:
+        attribute = getattr(param, "partition_dim", None)
+        if getattr(param, "tensor_model_parallel", None) is False:
+            attribute = -1  # Megatron: not tensor-parallel
+        chosen = group["partition_dim"]
+        if attribute is not None:
+            if chosen is not None and chosen != attribute:
+                raise ValueError(f"{name}: its partition_dim attribute is {attribute} but its group "
+                                 f"says {chosen}")
+            chosen = attribute
+        if chosen not in (None, -1, 0, 1):
+            raise ValueError(f"{name}: partition_dim must be 0, 1 or -1 (replicated), got {chosen}")
+        if chosen is None and group_size(self.process_group) > 1:
+            raise ValueError(
+                f"{name}: tell how it is split over the process_group of "
+                f"{group_size(self.process_group)} ranks: a partition_dim attribute or group "
+                "option of 0 (rows split), 1 (columns split) or -1 (replicated)")
+        return None if chosen in (None, -1) else chosen
+
+    def _runtime(self, device: torch.device):
+        if device not in self._contexts:
+            self._contexts[device] = Context(device)
+            self._comms[device] = Communicator(self.process_group, device)
+        return self._contexts[device], self._comms[device]
+
+    def _gather_shard_sizes(self, entries, device):
+        """Exchanges the local extents of the sharded parameters not seen before: one
+        collective for all of them, made by every rank in the same order."""
+        missing = [e for e in entries if e["dim"] is not None and id(e["param"]) not in self._shard_sizes]
+        if not missing or group_size(self.process_group) == 1:
+            for e in missing:
+                self._shard_sizes[id(e["param"])] = [e["param"].shape[e["dim"]]]
+            return
+        local = torch.tensor([e["param"].shape[e["dim"]] for e in missing], dtype=torch.int64,
+                             device=device if device.type == "cuda" else "cpu")
+        gathered = [torch.empty_like(local) for _ in range(group_size(self.process_group))]
+        dist.all_gather(gathered, local, group=self.process_group)
+        table = torch.stack(gathered).cpu().tolist()  # [rank][parameter]
+        for column, e in enumerate(missing):
+            self._shard_sizes[id(e["param"])] = [row[column] for row in table]
+
+    def _collect(self):
+        entries = []
+        for group_index, group in self._muon_groups():
+            for index, param in enumerate(group["params"]):
+                name = self._name(param, group_index, index)
+                if param.ndim != 2:
+                    raise ValueError(f"{name}: Muon takes 2D parameters; train this one with AdamW "
+                                     "(see MuonWithAdamW)")
+                if param.dtype not in _DTYPES or (param.dtype == torch.float64 and param.is_cuda):
+                    raise TypeError(f"{name}: Muon takes float32 or bfloat16 parameters (float64 on "
+                                    f"the CPU), got {param.dtype}")
+                if not param.is_contiguous():
+                    raise ValueError(f"{name}: the parameter is not contiguous")
+                grad = param.grad
+                if grad is not None:
+                    if grad.dtype != param.dtype:
+                        raise TypeError(f"{name}: its gradient is {grad.dtype}, the parameter {param.dtype}")
+                    if grad.shape != param.shape:
+                        raise ValueError(f"{name}: its gradient has shape {tuple(grad.shape)}")
+                    if grad.device != param.device:
+                        raise ValueError(f"{name}: its gradient is on {grad.device}")
+                    if grad.is_sparse or not grad.is_contiguous():
+                        raise ValueError(f"{name}: its gradient is not a contiguous dense tensor")
+                entries.append({"param": param, "grad": grad, "group": group_index, "name": name,
+                                "dim": self._partition_dim(param, group, name)})
+        return entries
+
+    def _group_struct(self, group, keepalive) -> c.MuonGroup:
+        s = c.MuonGroup()
+        c.check(c.lib.shardmuon_muon_group_default(ctypes.byref(s)))
+        s.lr = float(group["lr"])
+        s.momentum = float(group["momentum"])
+        s.nesterov = 1 if group["nesterov"] else 0
+        s.weight_decay = float(group["weight_decay"])
+        s.weight_decay_mode = c.WEIGHT_DECAY_MODES[_weight_decay_mode(group)]
+        s.scale_mode = c.SCALE_MODES[group["scale_mode"]]
+        s.extra_scale_factor = float(group["extra_scale_factor"])
+        s.ns.num_iterations = int(group["num_ns_steps"])
+        s.ns.schedule = c.SCHEDULES[group["coefficient_type"]]
+        s.ns.eps = float(group["eps"])
+        s.ns.algorithm = c.ALGORITHMS[group["algorithm"]]
+        if group["coefficient_type"] == "custom":
+            flat = [float(x) for triple in group["custom_coefficients"] for x in triple]
+            array = (ctypes.c_double * len(flat))(*flat)
+            keepalive.append(array)
+            s.ns.custom_coefficients = array
+            s.ns.num_custom_coefficients = len(flat) // 3
+        return s
+
+    # -- the step -----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._muon_step()
+        return loss
+
+    def _muon_step(self):
+        entries = self._collect()
+        if not entries:
+            return
+        devices = {e["param"].device for e in entries}
+        if len(devices) > 1:
+            by_device = {}
+            for e in entries:
+                by_device.setdefault(e["param"].device, e["name"])
+            listing = "; ".join(f"{name} on {device}" for device, name in by_device.items())
+            raise ValueError(f"Muon: all parameters must be on one device (CPU or one GPU): {listing}")
+        device = devices.pop()
+        context, comm = self._runtime(device)
+        self._gather_shard_sizes(entries, device)
+        rank = group_rank(self.process_group)
+
+        keepalive = []
+        groups = (c.MuonGroup * len(self.param_groups))()
+        for index, group in enumerate(self.param_groups):
+            if index in {e["group"] for e in entries}:
+                groups[index] = self._group_struct(group, keepalive)
+            else:  # a group this class does not step (AdamW's): any valid values
+                c.check(c.lib.shardmuon_muon_group_default(ctypes.byref(groups[index])))
+        params = (c.MuonParam * len(entries))()
+        for i, e in enumerate(entries):
+            param, grad = e["param"], e["grad"]
+            p = params[i]
+            p.param = param.data_ptr() or None
+            p.dtype = _DTYPES[param.dtype]
+            p.group = e["group"]
+            if grad is None:
+                p.no_grad = 1
+            else:
+                state = self.state[param]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(param, memory_format=torch.contiguous_format)
+                p.grad = grad.data_ptr() or None
+                p.momentum = state["momentum_buffer"].data_ptr() or None
+            rows, cols = param.shape
+            if e["dim"] is None or group_size(self.process_group) == 1:
+                p.layout = c.Layout(rows, cols, c.REPLICATED, 1, None)
+            else:
+                sizes = self._shard_sizes[id(param)]
+                if sizes[rank] != param.shape[e["dim"]]:
+                    raise ValueError(f"{e['name']}: its shard changed size since the first step")
+                array = (ctypes.c_int64 * len(sizes))(*sizes)
+                keepalive.append(array)
+                if e["dim"] == 0:
+                    p.layout = c.Layout(sum(sizes), cols, c.SHARDED_DIM0, len(sizes), array)
+                else:
+                    p.layout = c.Layout(rows, sum(sizes), c.SHARDED_DIM1, len(sizes), array)
+        stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+        status = c.lib.shardmuon_muon_step(context.handle, comm.handle, params, len(entries), groups,
+                                           len(self.param_groups), stream)
+        comm.raise_callback_error()
+        c.check(status)
+
+
+class MuonWithAdamW(Muon):
+    """Muon for the groups marked ``use_muon=True`` and torch.optim.AdamW for the others
+    (embeddings, norms, biases, the output head), in one optimizer: one ``step``,
+    ``zero_grad``, ``state_dict`` and LR scheduler for both. AdamW groups take ``lr``,
+    ``betas``, ``eps`` and ``weight_decay`` (defaults: adamw_betas, adamw_eps, 0.0).
+    ``muon_param_groups(model)`` builds such groups from a model."""
+
+    def __init__(self, param_groups: List[Dict[str, Any]], *, adamw_betas=(0.9, 0.95),
+                 adamw_eps: float = 1e-8, **muon_kwargs):
+        param_groups = [dict(g) for g in param_groups]
+        for index, group in enumerate(param_groups):
+            if "use_muon" not in group:
+                raise ValueError(f"MuonWithAdamW: param_groups[{index}] lacks use_muon=True/False")
+        adam_groups = []
+        for group in param_groups:
+            if not group["use_muon"]:
+                group.setdefault("betas", adamw_betas)
+                group.setdefault("adamw_eps", adamw_eps)
+                group.setdefault("weight_decay", 0.0)
+                adam_groups.append(group)
+        super().__init__(param_groups, **muon_kwargs)
+        self._adam = torch.optim.AdamW(
+            [{"params": g["params"], "lr": g.get("lr", muon_kwargs.get("lr", 3e-4)),
+              "betas": g["betas"], "eps": g["adamw_eps"], "weight_decay": g["weight_decay"]}
+             for g in self.param_groups if not g["use_muon"]])
+        self._link_adam()
+
+    def _muon_groups(self):
+        return [(i, g) for i, g in enumerate(self.param_groups) if g["use_muon"]]
+
+    def _link_adam(self):
+        """AdamW shares this optimizer's state, and its groups track ours (lr from schedulers)."""
+        self._adam.state = self.state
+        self._adam_groups = [g for g in self.param_groups if not g["use_muon"]]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._muon_step()
+        for ours, theirs in zip(self._adam_groups, self._adam.param_groups):
+            theirs["lr"] = ours["lr"]
+            theirs["weight_decay"] = ours["weight_decay"]
+            theirs["betas"] = ours["betas"]
+            theirs["eps"] = ours["adamw_eps"]
+        self._adam.step()
+        return loss
+
+    def load_state_dict(self, state_dict):
+        super().load_state_dict(state_dict)
+        self._link_adam()
+
+
+def muon_param_groups(model: torch.nn.Module, *, muon_lr: float, adamw_lr: float,
+                      adamw_weight_decay: float = 0.0,
+                      exclude: Sequence[str] = ("lm_head", "output_head", "wte", "wpe")):
+    """Groups for MuonWithAdamW: the 2D weights go to Muon, except embeddings (nn.Embedding
+    modules) and parameters whose name contains one of ``exclude`` (the output head), which
+    Muon users train with AdamW; everything else (norms, biases) goes to AdamW."""
+    embedding_params = {id(p) for module in model.modules() if isinstance(module, torch.nn.Embedding)
+                        for p in module.parameters(recurse=False)}
+    muon, adam = [], []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        if param.ndim == 2 and id(param) not in embedding_params and not any(word in name for word in exclude):
+            muon.append((name, param))
+        else:
+            adam.append(param)
+    return [{"params": muon, "use_muon": True, "lr": muon_lr},
+            {"params": adam, "use_muon": False, "lr": adamw_lr, "weight_decay": adamw_weight_decay}]
+
+
+def load_resharded_state_dict(optimizer: Muon, state_dicts: Sequence[Dict[str, Any]]):
+    """Loads a state saved under another tensor-parallel size: ``state_dicts`` are the state
+    dicts that every rank of the old group saved, in rank order; this rank keeps its part.
+
+    Each state tensor of a sharded parameter (Muon's momentum, AdamW's moments of a sharded
+    bias) is assembled from the old ranks' pieces along the parameter's partition dim and cut to
+    this rank's shard (uneven shards included); state of replicated parameters comes from old
+    rank 0. The parameters must say how they are split (a partition_dim attribute or group
+    option), also when the new group has one rank. Every rank of the new group calls this."""
+    if not state_dicts:
+        raise ValueError("load_resharded_state_dict: no state dicts given")
+    entries = []
+    for group_index, group in enumerate(optimizer.param_groups):
+        for index, param in enumerate(group["params"]):
+            attribute = getattr(param, "partition_dim", None)
+            if getattr(param, "tensor_model_parallel", None) is False:
+                attribute = -1
+            dim = attribute if attribute is not None else group.get("partition_dim")
+            entries.append({"param": param, "dim": None if dim in (None, -1) else dim})
+    device = next((e["param"].device for e in entries), torch.device("cpu"))
+    optimizer._gather_shard_sizes([e for e in entries if e["dim"] is not None], device)
+    rank = group_rank(optimizer.process_group)
+    result = {"state": {}, "param_groups": state_dicts[0]["param_groups"]}
+    for index, entry in enumerate(entries):
+        old = [sd["state"].get(index) for sd in state_dicts]
+        if old[0] is None:
+            continue
+        param, dim = entry["param"], entry["dim"]
+        if dim is None:
+            result["state"][index] = old[0]
+            continue
+        sizes = optimizer._shard_sizes[id(param)]
+        start = sum(sizes[:rank])
+        state = {}
+        for key, value in old[0].items():
+            if torch.is_tensor(value) and value.ndim == param.ndim and value.ndim > 0:
+                whole = torch.cat([sd[key] for sd in old], dim=dim)
+                state[key] = whole.narrow(dim, start, sizes[rank]).clone()
+            else:
+                state[key] = value
+        result["state"][index] = state
+    optimizer.load_state_dict(result)

@@ -1,0 +1,169 @@
+"""shardmuon.torch.Muon on several CPU processes (gloo): sharded parameters, uneven and
+empty shards, against the float64 reference on the whole matrices; collective skipping; a
+mismatch that fails on every rank; and loading a state saved under another group size."""
+
+import os
+import socket
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import reference
+import shardmuon
+import shardmuon.torch as st
+
+LEARNING_RATES = [0.02, 0.05, 0.01]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(function, world, *args):
+    port = free_port()
+    mp.spawn(_entry, args=(world, port, function, args), nprocs=world, join=True)
+
+
+def _entry(rank, world, port, function, args):
+    import faulthandler
+    faulthandler.enable()  # a native abort prints where Python was
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        function(rank, world, *args)
+    except BaseException:
+        # Report this rank's failure before the others notice the process group go away.
+        import traceback
+        traceback.print_exc()
+        raise
+    dist.destroy_process_group()
+
+
+def split(total, weights):
+    """Shard sizes proportional to weights (zeros allowed), summing to total."""
+    sizes = [total * w // sum(weights) for w in weights]
+    sizes[-1] += total - sum(sizes)
+    return sizes
+
+
+WEIGHTS = {1: [1], 2: [2, 1], 3: [3, 0, 2], 4: [1, 3, 0, 2]}
+# (rows, cols, partition_dim, dtype): both dims, wide and tall, float64 and float32 and bf16.
+PARAMETERS = [(37, 53, 0, torch.float64), (53, 37, 1, torch.float64), (29, 41, 1, torch.float32),
+              (44, 18, 0, torch.bfloat16), (16, 16, -1, torch.float64)]
+TOLERANCE = {torch.float64: 1e-11, torch.float32: 2e-5, torch.bfloat16: 3e-2}
+
+
+def shard_of(whole, dim, sizes, rank):
+    if dim == -1:
+        return whole.clone()
+    start = sum(sizes[:rank])
+    return whole.narrow(dim, start, sizes[rank]).clone()
+
+
+def _sharded_steps(rank, world, skip_last):
+    generator = torch.Generator().manual_seed(7)
+    wholes, params, grads_all = [], [], []
+    for rows, cols, dim, dtype in PARAMETERS:
+        w = (0.05 * torch.randn(rows, cols, generator=generator, dtype=torch.float64)).to(dtype)
+        g = [torch.randn(rows, cols, generator=generator, dtype=torch.float64).to(dtype) for _ in range(3)]
+        sizes = split(rows if dim == 0 else cols, WEIGHTS[world]) if dim != -1 else None
+        p = torch.nn.Parameter(shard_of(w, dim, sizes, rank))
+        p.partition_dim = dim  # as TransformerEngine marks tensor-parallel weights
+        wholes.append((w, g, sizes))
+        params.append(p)
+    optimizer = st.Muon(params, lr=LEARNING_RATES[0], weight_decay=0.1, process_group=dist.group.WORLD)
+    references = [(w.double(), torch.zeros_like(w, dtype=torch.float64)) for w, _, _ in wholes]
+    for step in range(3):
+        optimizer.param_groups[0]["lr"] = LEARNING_RATES[step]
+        for i, (p, (w, g, sizes)) in enumerate(zip(params, wholes)):
+            skipped = skip_last and i == len(params) - 1
+            p.grad = None if skipped else shard_of(g[step], PARAMETERS[i][2], sizes, rank)
+            if not skipped:
+                references[i] = reference.muon_step(*references[i][:1], g[step], references[i][1],
+                                                    lr=LEARNING_RATES[step], weight_decay=0.1)
+        optimizer.step()
+    for i, (p, (w, _, sizes)) in enumerate(zip(params, wholes)):
+        expected = shard_of(references[i][0], PARAMETERS[i][2], sizes, rank)
+        if expected.numel() == 0:
+            assert p.numel() == 0
+            continue
+        error = reference.relative_error(p.detach(), expected)
+        assert error < TOLERANCE[PARAMETERS[i][3]], (rank, i, error)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_sharded_parameters_match_the_whole_matrix_reference(world):
+    launch(_sharded_steps, world, False)
+
+
+def test_a_parameter_without_grad_on_every_rank_is_skipped():
+    launch(_sharded_steps, 3, True)
+
+
+def _mismatch(rank, world):
+    p = torch.nn.Parameter(torch.randn(8, 6))
+    p.partition_dim = 0
+    optimizer = st.Muon([p], process_group=dist.group.WORLD)
+    p.grad = None if rank == 1 else torch.randn(8, 6)  # rank 1 disagrees
+    before = p.detach().clone()
+    with pytest.raises(shardmuon.ShardmuonError, match="SHARDMUON_ERROR_RANK_MISMATCH"):
+        optimizer.step()
+    assert torch.equal(p, before)
+
+
+def test_ranks_that_disagree_about_a_gradient_all_get_the_error():
+    launch(_mismatch, 2)
+
+
+def _save(rank, world, directory):
+    generator = torch.Generator().manual_seed(11)
+    whole = torch.randn(30, 24, generator=generator, dtype=torch.float64)
+    bias = torch.randn(30, generator=generator, dtype=torch.float64)
+    sizes = split(30, WEIGHTS[world])
+    weight = torch.nn.Parameter(shard_of(whole, 0, sizes, rank))
+    weight.partition_dim = 0
+    column_bias = torch.nn.Parameter(shard_of(bias, 0, sizes, rank))
+    column_bias.partition_dim = 0
+    optimizer = st.MuonWithAdamW([{"params": [weight], "use_muon": True},
+                                  {"params": [column_bias], "use_muon": False, "lr": 1e-3}],
+                                 lr=0.02, process_group=dist.group.WORLD)
+    weight.grad = shard_of(torch.randn(30, 24, generator=generator, dtype=torch.float64), 0, sizes, rank)
+    column_bias.grad = shard_of(torch.randn(30, generator=generator, dtype=torch.float64), 0, sizes, rank)
+    optimizer.step()
+    torch.save(optimizer.state_dict(), os.path.join(directory, f"rank{rank}.pt"))
+    # The logical state, for the loaders to compare with.
+    gathered, gathered_bias = [None] * world, [None] * world  # uneven pieces: gather as objects
+    dist.all_gather_object(gathered, optimizer.state[weight]["momentum_buffer"])
+    dist.all_gather_object(gathered_bias, optimizer.state[column_bias]["exp_avg"])
+    if rank == 0:
+        torch.save({"momentum": torch.cat(gathered), "exp_avg": torch.cat(gathered_bias)},
+                   os.path.join(directory, "logical.pt"))
+
+
+def _load(rank, world, directory, saved_world):
+    logical = torch.load(os.path.join(directory, "logical.pt"))
+    sizes = split(30, [1] * world)  # another split than the saver's
+    weight = torch.nn.Parameter(torch.zeros(sizes[rank], 24, dtype=torch.float64))
+    weight.partition_dim = 0
+    column_bias = torch.nn.Parameter(torch.zeros(sizes[rank], dtype=torch.float64))
+    column_bias.partition_dim = 0
+    optimizer = st.MuonWithAdamW([{"params": [weight], "use_muon": True},
+                                  {"params": [column_bias], "use_muon": False}],
+                                 process_group=dist.group.WORLD)
+    saved = [torch.load(os.path.join(directory, f"rank{r}.pt")) for r in range(saved_world)]
+    st.load_resharded_state_dict(optimizer, saved)
+    assert torch.equal(optimizer.state[weight]["momentum_buffer"], shard_of(logical["momentum"], 0, sizes, rank))
+    assert torch.equal(optimizer.state[column_bias]["exp_avg"], shard_of(logical["exp_avg"], 0, sizes, rank))
+    assert optimizer.param_groups[0]["lr"] == 0.02
+
+
+def test_a_state_saved_on_two_ranks_loads_on_three_and_on_one():
+    with tempfile.TemporaryDirectory() as directory:
+        launch(_save, 2, directory)
+        launch(_load, 3, directory, 2)
+        launch(_load, 1, directory, 2)

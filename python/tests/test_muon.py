@@ -1,0 +1,219 @@
+"""shardmuon.torch.Muon on one process (CPU) against the float64 reference step."""
+
+import itertools
+
+import pytest
+import torch
+
+import reference
+import shardmuon
+import shardmuon.torch as st
+
+TOLERANCE = {torch.float64: 1e-11, torch.float32: 2e-5, torch.bfloat16: 3e-2}
+LEARNING_RATES = [0.02, 0.05, 0.01]
+
+
+def run(dtype, shape, steps=3, seed=0, **options):
+    """`steps` steps of Muon and of the reference with the learning rate changed every step;
+    returns the relative errors of the weight and the momentum."""
+    generator = torch.Generator().manual_seed(seed)
+    w0 = (0.05 * torch.randn(*shape, generator=generator, dtype=torch.float64)).to(dtype)
+    grads = [torch.randn(*shape, generator=generator, dtype=torch.float64).to(dtype) for _ in range(steps)]
+    weight = torch.nn.Parameter(w0.clone())
+    optimizer = st.Muon([weight], **{k: v for k, v in options.items() if k != "lr"}, lr=LEARNING_RATES[0])
+    w_ref, m_ref = w0.double(), torch.zeros(*shape, dtype=torch.float64)
+    ref_options = dict(momentum=options.get("momentum", 0.95), nesterov=options.get("nesterov", True),
+                       weight_decay=options.get("weight_decay", 0.01),
+                       mode=options.get("weight_decay_mode") or
+                       ("l2" if options.get("use_decoupled_weight_decay") is False else "decoupled"),
+                       schedule=options.get("coefficient_type", "quintic"),
+                       steps=options.get("num_ns_steps", 5), custom=options.get("custom_coefficients"),
+                       scale_mode=options.get("scale_mode", "spectral"),
+                       extra=options.get("extra_scale_factor", 1.0), eps=options.get("eps", 1e-7))
+    for step in range(steps):
+        lr = LEARNING_RATES[step % 3]
+        optimizer.param_groups[0]["lr"] = lr
+        weight.grad = grads[step].clone()
+        optimizer.step()
+        w_ref, m_ref = reference.muon_step(w_ref, grads[step], m_ref, lr=lr, **ref_options)
+    momentum = optimizer.state[weight]["momentum_buffer"]
+    return reference.relative_error(weight.detach(), w_ref), reference.relative_error(momentum, m_ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mode,nesterov,scale_mode", list(itertools.product(
+    ["decoupled", "l2", "independent", "none"], [True, False], ["spectral", "shape_scaling", "unit_rms_norm", "none"])))
+def test_every_mode_matches_the_reference(dtype, mode, nesterov, scale_mode):
+    shape = (37, 53) if nesterov else (53, 37)
+    w_error, m_error = run(dtype, shape, weight_decay=0.1, weight_decay_mode=mode, nesterov=nesterov,
+                           scale_mode=scale_mode, momentum=0.9)
+    assert w_error < TOLERANCE[dtype]
+    assert m_error < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("schedule,steps", [("simple", 5), ("polar_express", 8), ("cans", 5), ("aol", 4)])
+def test_schedules(schedule, steps):
+    w_error, _ = run(torch.float64, (29, 41), coefficient_type=schedule, num_ns_steps=steps)
+    assert w_error < 1e-11
+
+
+def test_custom_coefficients_and_te_style_l2():
+    custom = [(3.0, -3.2, 1.1), (2.5, -2.8, 1.0), (1.875, -1.25, 0.375)]
+    w_error, _ = run(torch.float64, (23, 31), coefficient_type="custom", num_ns_steps=3,
+                     custom_coefficients=custom, use_decoupled_weight_decay=False, weight_decay=0.05)
+    assert w_error < 1e-11
+
+
+def test_defaults_are_transformer_engines():
+    weight = torch.nn.Parameter(torch.randn(4, 6))
+    group = st.Muon([weight]).param_groups[0]
+    assert (group["lr"], group["momentum"], group["nesterov"], group["weight_decay"]) == (3e-4, 0.95, True, 0.01)
+    assert (group["coefficient_type"], group["num_ns_steps"], group["scale_mode"]) == ("quintic", 5, "spectral")
+    assert (group["extra_scale_factor"], group["eps"]) == (1.0, 1e-7)
+
+
+def make_model_and_grads(seed=1):
+    generator = torch.Generator().manual_seed(seed)
+    a = torch.nn.Parameter(torch.randn(12, 20, generator=generator))
+    b = torch.nn.Parameter(torch.randn(30, 8, generator=generator, dtype=torch.float64))
+    grads = [(torch.randn(12, 20, generator=generator), torch.randn(30, 8, generator=generator, dtype=torch.float64))
+             for _ in range(4)]
+    return a, b, grads
+
+
+def test_state_dict_round_trip_continues_exactly():
+    a, b, grads = make_model_and_grads()
+    optimizer = st.Muon([{"params": [a]}, {"params": [b], "lr": 0.01, "momentum": 0.8}], lr=0.02)
+    for step in range(2):
+        a.grad, b.grad = grads[step]
+        optimizer.step()
+    saved = optimizer.state_dict()
+    a2, b2 = torch.nn.Parameter(a.detach().clone()), torch.nn.Parameter(b.detach().clone())
+    resumed = st.Muon([{"params": [a2]}, {"params": [b2]}], lr=0.5)
+    resumed.load_state_dict(saved)
+    assert resumed.param_groups[1]["lr"] == 0.01 and resumed.param_groups[1]["momentum"] == 0.8
+    for step in range(2, 4):
+        a.grad, b.grad = grads[step]
+        a2.grad, b2.grad = grads[step]
+        optimizer.step()
+        resumed.step()
+    assert torch.equal(a, a2) and torch.equal(b, b2)
+    assert torch.equal(optimizer.state[a]["momentum_buffer"], resumed.state[a2]["momentum_buffer"])
+
+
+def test_lr_scheduler_drives_the_learning_rate():
+    a, _, grads = make_model_and_grads()
+    manual = torch.nn.Parameter(a.detach().clone())
+    optimizer = st.Muon([a], lr=0.04)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5 ** step)
+    reference_optimizer = st.Muon([manual], lr=0.04)
+    for step in range(3):
+        a.grad = grads[step][0]
+        manual.grad = grads[step][0]
+        optimizer.step()
+        scheduler.step()
+        reference_optimizer.step()
+        reference_optimizer.param_groups[0]["lr"] = 0.04 * 0.5 ** (step + 1)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.04 / 8)
+    assert torch.equal(a, manual)
+
+
+def test_closure_runs_with_grad_enabled_and_its_loss_is_returned():
+    weight = torch.nn.Parameter(torch.randn(8, 5))
+    optimizer = st.Muon([weight], lr=0.02)
+
+    def closure():
+        assert torch.is_grad_enabled()
+        optimizer.zero_grad()
+        loss = (weight ** 2).sum()
+        loss.backward()
+        return loss
+
+    with torch.no_grad():
+        loss = optimizer.step(closure)
+    assert loss.item() > 0 and "momentum_buffer" in optimizer.state[weight]
+
+
+def test_parameters_without_grad_are_skipped():
+    a, b, grads = make_model_and_grads()
+    optimizer = st.Muon([a, b], lr=0.02)
+    a.grad = grads[0][0]
+    before = b.detach().clone()
+    optimizer.step()
+    assert torch.equal(b, before) and "momentum_buffer" not in optimizer.state[b]
+    optimizer.zero_grad(set_to_none=True)
+    optimizer.step()  # no gradients at all: a no-op
+
+
+def test_bad_inputs_name_the_parameter():
+    bias = torch.nn.Parameter(torch.randn(7))
+    bias.grad = torch.randn(7)
+    with pytest.raises(ValueError, match=r"layer\.bias.*2D parameters"):
+        st.Muon([("layer.bias", bias)]).step()
+
+    # A gradient of another dtype than its parameter: PyTorch refuses the assignment itself,
+    # so such a pair reaches Muon only through parameters of different dtypes in one model.
+    weight = torch.nn.Parameter(torch.randn(6, 4))
+    with pytest.raises(RuntimeError, match="different type"):
+        weight.grad = torch.randn(6, 4, dtype=torch.float64)
+
+    strided = torch.nn.Parameter(torch.randn(4, 6).t())
+    strided.grad = torch.randn(6, 4)
+    with pytest.raises(ValueError, match="not contiguous"):
+        st.Muon([strided]).step()
+
+    half = torch.nn.Parameter(torch.randn(4, 4, dtype=torch.float16))
+    half.grad = torch.randn(4, 4, dtype=torch.float16)
+    with pytest.raises(TypeError, match="float32 or bfloat16"):
+        st.Muon([half]).step()
+
+    with pytest.raises(ValueError, match="coefficient_type"):
+        st.Muon([weight], coefficient_type="quintc")
+    with pytest.raises(ValueError, match="custom_coefficients"):
+        st.Muon([weight], coefficient_type="custom", num_ns_steps=3, custom_coefficients=[(1, 2, 3)])
+    with pytest.raises(ValueError, match="learning rate"):
+        st.Muon([weight], lr=-1.0)
+    with pytest.raises(ValueError, match="contradicts"):
+        st.Muon([weight], use_decoupled_weight_decay=True, weight_decay_mode="l2")
+
+
+def test_library_errors_arrive_as_exceptions_with_the_message():
+    weight = torch.nn.Parameter(torch.randn(5, 7))
+    weight.grad = torch.randn(5, 7)
+    optimizer = st.Muon([weight], eps=-1.0)  # the library checks eps
+    with pytest.raises(shardmuon.ShardmuonError, match=r"groups\[0\]\.ns\.eps must be finite and >= 0"):
+        optimizer.step()
+    assert "momentum_buffer" in optimizer.state[weight]
+    assert torch.count_nonzero(optimizer.state[weight]["momentum_buffer"]) == 0  # untouched
+
+
+def test_muon_with_adamw_matches_torch_adamw_for_the_other_parameters():
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 16), torch.nn.Linear(16, 24), torch.nn.LayerNorm(24))
+    twin = torch.nn.Sequential(torch.nn.Embedding(10, 16), torch.nn.Linear(16, 24), torch.nn.LayerNorm(24))
+    twin.load_state_dict(model.state_dict())
+    groups = st.muon_param_groups(model, muon_lr=0.02, adamw_lr=1e-3, adamw_weight_decay=0.1)
+    assert [n for n, _ in groups[0]["params"]] == ["1.weight"]
+    optimizer = st.MuonWithAdamW(groups, adamw_betas=(0.9, 0.95))
+    adam_params = [p for n, p in twin.named_parameters() if n != "1.weight"]
+    adam = torch.optim.AdamW(adam_params, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    twin_muon = st.Muon([twin[1].weight], lr=0.02)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    for step in range(3):
+        tokens = torch.randint(0, 10, (4, 5), generator=torch.Generator().manual_seed(step))
+        for net in (model, twin):
+            net.zero_grad()
+            net(tokens).pow(2).mean().backward()
+        optimizer.step()
+        adam.step()
+        twin_muon.step()
+        scheduler.step()
+        for group in adam.param_groups:
+            group["lr"] = 1e-3 * 0.5 ** (step + 1)
+        twin_muon.param_groups[0]["lr"] = 0.02 * 0.5 ** (step + 1)
+    for (name, ours), theirs in zip(model.named_parameters(), twin.parameters()):
+        assert torch.equal(ours, theirs), name
+    saved = optimizer.state_dict()
+    assert len(saved["state"]) == 5  # Muon's momentum and AdamW's moments, in one state dict
+    optimizer.load_state_dict(saved)
+    optimizer.step()
