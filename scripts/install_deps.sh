@@ -4,7 +4,8 @@
 set -euo pipefail
 
 packages=(cmake ninja-build g++ libopenmpi-dev openmpi-bin libopenblas-dev libgtest-dev
-          nlohmann-json3-dev zlib1g-dev)
+          nlohmann-json3-dev zlib1g-dev
+          python3 python3-torch python3-numpy python3-pytest python3-matplotlib fortunes)
 missing=()
 for package in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q "install ok installed" ||

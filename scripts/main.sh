@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# The main job: installs what is missing, builds, and orthogonalizes a random matrix sharded
-# over 2 ranks (GPUs when there are, else CPU ranks), printing the time and the error
-# against a float64 reference. Arguments go to the example (see its --help in the source).
+# The main job: installs what is missing, builds the library, and trains a small
+# character-level transformer on Debian's fortune cookies with shardmuon's Muon (+ AdamW for
+# embeddings, norms and the head) against AdamW alone, printing progress and writing the loss
+# curves to out/train_lm/ (CSV and PNG). On CPU by default (a few minutes); arguments go to
+# examples/train_lm.py, e.g. --tp 2 for tensor parallelism over two processes (two GPUs when
+# the machine has them), --steps N.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 "$root/scripts/install_deps.sh"
 "$root/scripts/build.sh" >/dev/null
-export OPENBLAS_NUM_THREADS="${OPENBLAS_NUM_THREADS:-1}"
-mpi_flags=(--oversubscribe)
-if [[ $(id -u) -eq 0 ]]; then mpi_flags+=(--allow-run-as-root); fi
-exec mpirun "${mpi_flags[@]}" -np "${SHARDMUON_RANKS:-2}" "$root/build/examples/orthogonalize_sharded" "$@"
+python="${PYTHON:-/usr/bin/python3}"
+export SHARDMUON_LIBRARY="$root/build/libshardmuon.so"
+exec "$python" "$root/examples/train_lm.py" --out "$root/out/train_lm" "$@"

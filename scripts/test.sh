@@ -31,6 +31,12 @@ run_suite "build without CUDA" "$root/build-nocuda" -DSHARDMUON_WITH_CUDA=OFF
 run_suite "build without CUDA and MPI" "$root/build-minimal" -DSHARDMUON_WITH_CUDA=OFF \
   -DSHARDMUON_WITH_MPI=OFF
 
+# The PyTorch front end (Debian's CPU PyTorch), on the full build's library.
+echo "== python tests"
+if SHARDMUON_LIBRARY="$root/build/libshardmuon.so" /usr/bin/python3 -m pytest -q -p no:cacheprovider \
+    "$root/python/tests" 2>&1 | tee "$root/build/pytest.log"; then :; else status=1; fi
+summary+=("python tests: $(grep -E '[0-9]+ (passed|failed)' "$root/build/pytest.log" | tail -1)")
+
 # A formatted tree (the checked-in .clang-format), where clang-format is installed.
 if command -v clang-format >/dev/null 2>&1; then
   if (cd "$root" && git ls-files '*.h' '*.hpp' '*.cpp' '*.cu' '*.cuh' |

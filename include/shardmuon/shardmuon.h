@@ -332,9 +332,9 @@ typedef struct shardmuon_muon_param {
   shardmuon_layout layout;
   int group; /* index into the groups of the step */
   /* 1: the parameter has no gradient this step; it is skipped and its momentum left as it
-   * is (grad and momentum are not read, and may be NULL). Every rank of the communicator must say the same (checked: a rank
-   * that disagrees makes every rank return RANK_MISMATCH). 0, the zero-initialized value,
-   * means grad is this step's gradient. */
+   * is (grad and momentum are not read, and may be NULL). Every rank of the communicator must say
+   * the same (checked: a rank that disagrees makes every rank return RANK_MISMATCH). 0, the
+   * zero-initialized value, means grad is this step's gradient. */
   int no_grad;
 } shardmuon_muon_param;
 
