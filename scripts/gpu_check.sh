@@ -13,7 +13,7 @@ export PATH="/opt/torch/.venv/bin:$PATH:/usr/local/cuda/bin" OPENBLAS_NUM_THREAD
 export SHARDMUON_TEST_REPORT_ERRORS=1  # the tests print each case's error and tolerance
 mpi=(mpirun --allow-run-as-root --oversubscribe -x NCCL_NVLS_ENABLE -x TORCH_SYMM_MEM_DISABLE_MULTICAST
      -x NVSHMEM_DISABLE_NVLS -x OPENBLAS_NUM_THREADS -x SHARDMUON_TEST_REPORT_ERRORS)
-what="${1:-all}"  # all | tests
+what="${1:-all}"  # all | tests | torch
 gpus=$(nvidia-smi -L | wc -l)
 nvidia-smi -L
 echo "gpus: $gpus"
@@ -31,6 +31,21 @@ cmake --build $build --parallel "$(nproc)" >"$out/build.log" 2>&1 || { grep -E "
 echo "build: $(( $(date +%s) - start )) s"
 
 results=()
+if [[ "$what" == "torch" ]]; then
+  # The PyTorch front end with this machine's PyTorch (2.x): torchrun on 2 GPUs against the
+  # whole-matrix reference, 1 GPU against torch.optim.Muon, then the main job at TP 1 and 2.
+  export SHARDMUON_LIBRARY="$root/$build/libshardmuon.so"
+  torchrun --nproc_per_node=2 python/tests/gpu/check_torch_gpu.py 2>&1 | tee "$out/torch_gpu_2.log" | grep -E "FAIL|checks|Error" | head -20
+  python3 python/tests/gpu/check_torch_gpu.py 2>&1 | tee "$out/torch_gpu_1.log" | grep -E "torch.optim.Muon|checks|Error"
+  data=()
+  if [[ -d "$root/.deps/fortunes" ]]; then data=(--data "$root/.deps/fortunes"); fi
+  for tp in 1 2; do
+    python3 examples/train_lm.py --tp $tp "${data[@]}" --out "$out" --log-every 50 2>&1 |
+      tee "$out/train_tp$tp.log" | grep -E "corpus|val|final|Error"
+  done
+  grep -hE "checks" "$out"/torch_gpu_*.log
+  exit 0
+fi
 for ranks in 1 $([[ $gpus -ge 2 ]] && echo 2); do
   log="$out/gpu_tests_np$ranks.log"
   timeout 400 "${mpi[@]}" -np $ranks $build/tests/shardmuon_tests --backend=cuda --gtest_brief=1 >"$log" 2>&1

@@ -1,0 +1,157 @@
+"""GPU checks of shardmuon.torch (PyTorch 2.x on the lent machine; CI has no GPU).
+
+    torchrun --nproc_per_node=2 python/tests/gpu/check_torch_gpu.py   # sharded, NCCL
+    python3 python/tests/gpu/check_torch_gpu.py                       # one GPU
+
+On 2 GPUs: every sharding mode (rows, columns, uneven, replicated) and dtype for 3 steps with
+the learning rate changed every step, against the float64 reference on the whole matrices;
+a parameter without gradient; the errors for a CPU/CUDA mix and for a gloo group.
+On 1 GPU: against torch.optim.Muon where the settings coincide. Prints one line per check
+and a summary; exits 1 if any failed.
+"""
+
+import math
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path[:0] = [os.path.join(os.path.dirname(__file__), ".."), os.path.join(os.path.dirname(__file__), "..", "..")]
+import reference  # noqa: E402
+import shardmuon  # noqa: E402
+import shardmuon.torch as st  # noqa: E402
+
+results = []
+
+
+def record(name, ok, detail=""):
+    results.append(ok)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"{'PASS' if ok else 'FAIL'} {name} {detail}", flush=True)
+
+
+def split(total, weights):
+    sizes = [total * w // sum(weights) for w in weights]
+    sizes[-1] += total - sum(sizes)
+    return sizes
+
+
+def shard_of(whole, dim, sizes, rank):
+    if dim == -1:
+        return whole.clone()
+    return whole.narrow(dim, sum(sizes[:rank]), sizes[rank]).clone()
+
+
+def sharded_checks(rank, world, device):
+    tolerance = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
+    lrs = [0.02, 0.05, 0.01]
+    for rows, cols in [(384, 1152), (1152, 384), (257, 131)]:
+        for dim in (0, 1, -1):
+            for dtype in (torch.float32, torch.bfloat16):
+                for weights in ([1, 1], [3, 1]):
+                    generator = torch.Generator().manual_seed(rows + cols + dim)
+                    whole = (0.05 * torch.randn(rows, cols, generator=generator, dtype=torch.float64)).to(dtype)
+                    grads = [torch.randn(rows, cols, generator=generator, dtype=torch.float64).to(dtype) for _ in lrs]
+                    sizes = split(rows if dim == 0 else cols, weights) if dim != -1 else None
+                    p = torch.nn.Parameter(shard_of(whole, dim, sizes, rank).to(device))
+                    p.partition_dim = dim
+                    optimizer = st.Muon([p], lr=lrs[0], weight_decay=0.1, process_group=dist.group.WORLD)
+                    w_ref, m_ref = whole.double(), torch.zeros(rows, cols, dtype=torch.float64)
+                    for step, lr in enumerate(lrs):
+                        optimizer.param_groups[0]["lr"] = lr
+                        p.grad = shard_of(grads[step], dim, sizes, rank).to(device)
+                        optimizer.step()
+                        w_ref, m_ref = reference.muon_step(w_ref, grads[step], m_ref, lr=lr, weight_decay=0.1)
+                    expected = shard_of(w_ref, dim, sizes, rank)
+                    error = torch.tensor(reference.relative_error(p.detach().cpu(), expected), device=device)
+                    dist.all_reduce(error, op=dist.ReduceOp.MAX)
+                    record(f"{rows}x{cols} partition_dim={dim} {str(dtype)[6:]} shards={sizes}",
+                           error.item() < tolerance[dtype], f"error {error.item():.2e} (tolerance {tolerance[dtype]:.0e})")
+
+    # A parameter without gradient on every rank is skipped.
+    p = torch.nn.Parameter(torch.randn(64, 32, device=device))
+    p.partition_dim = 0
+    q = torch.nn.Parameter(torch.randn(64, 32, device=device))
+    q.partition_dim = 1
+    before = q.detach().clone()
+    optimizer = st.Muon([p, q], lr=0.02, process_group=dist.group.WORLD)
+    p.grad = torch.randn_like(p)
+    optimizer.step()
+    record("a parameter without gradient is skipped", torch.equal(q, before) and "momentum_buffer" not in optimizer.state[q])
+
+    # Bad input: a CPU and a CUDA parameter; CUDA parameters with a gloo group.
+    cpu = torch.nn.Parameter(torch.randn(8, 8))
+    cpu.grad = torch.randn(8, 8)
+    cpu.partition_dim = -1
+    gpu = torch.nn.Parameter(torch.randn(8, 8, device=device))
+    gpu.grad = torch.randn(8, 8, device=device)
+    gpu.partition_dim = -1
+    try:
+        st.Muon([cpu, gpu], process_group=dist.group.WORLD).step()
+        record("CPU/CUDA mix raises", False)
+    except ValueError as error:
+        record("CPU/CUDA mix raises", "one device" in str(error), f"({error})")
+    gloo = dist.new_group(backend="gloo")
+    try:
+        st.Muon([gpu], process_group=gloo).step()
+        record("gloo group with CUDA tensors raises", False)
+    except ValueError as error:
+        record("gloo group with CUDA tensors raises", "NCCL" in str(error), f"({error})")
+
+
+def single_gpu_checks(device):
+    """Against torch.optim.Muon where the settings coincide: its defaults' Newton-Schulz
+    (3.4445, -4.7750, 2.0315) x 5 is our 'simple' schedule, its adjust_lr_fn=None ('original':
+    lr * sqrt(max(1, rows / cols))) our 'shape_scaling', and its weight decay is decoupled."""
+    if not hasattr(torch.optim, "Muon"):
+        record("torch.optim.Muon comparison", False, "(this PyTorch has no torch.optim.Muon)")
+        return
+    for rows, cols in [(1024, 3072), (3072, 1024), (777, 513)]:
+        for dtype in (torch.bfloat16, torch.float32):
+            generator = torch.Generator().manual_seed(rows)
+            w0 = (0.05 * torch.randn(rows, cols, generator=generator)).to(dtype)
+            grads = [torch.randn(rows, cols, generator=generator).to(dtype) for _ in range(3)]
+            ours = torch.nn.Parameter(w0.clone().to(device))
+            theirs = torch.nn.Parameter(w0.clone().to(device))
+            opt_ours = st.Muon([ours], lr=0.02, weight_decay=0.1, coefficient_type="simple", num_ns_steps=5,
+                               scale_mode="shape_scaling")
+            opt_theirs = torch.optim.Muon([theirs], lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True,
+                                          ns_steps=5, eps=1e-7)
+            w_ref, m_ref = w0.double(), torch.zeros(rows, cols, dtype=torch.float64)
+            for g in grads:
+                ours.grad = g.to(device)
+                theirs.grad = g.to(device)
+                opt_ours.step()
+                opt_theirs.step()
+                w_ref, m_ref = reference.muon_step(w_ref, g, m_ref, lr=0.02, weight_decay=0.1, schedule="simple",
+                                                   scale_mode="shape_scaling")
+            update_ref = w_ref - w0.double()
+            ours_error = reference.relative_error(ours.detach().double().cpu() - w0.double(), update_ref)
+            theirs_error = reference.relative_error(theirs.detach().double().cpu() - w0.double(), update_ref)
+            between = reference.relative_error(ours.detach().double().cpu() - w0.double(),
+                                               theirs.detach().double().cpu() - w0.double())
+            # The same computation up to rounding: both within bf16's error of the float64 update.
+            record(f"vs torch.optim.Muon {rows}x{cols} {str(dtype)[6:]}", between < 5e-2 and ours_error < 5e-2,
+                   f"update error vs float64: ours {ours_error:.2e}, torch.optim.Muon {theirs_error:.2e}; "
+                   f"between them {between:.2e}")
+
+
+def main():
+    if "WORLD_SIZE" in os.environ:
+        local = int(os.environ["LOCAL_RANK"])
+        torch.cuda.set_device(local)
+        dist.init_process_group("nccl")
+        sharded_checks(dist.get_rank(), dist.get_world_size(), torch.device("cuda", local))
+    else:
+        single_gpu_checks(torch.device("cuda", 0))
+    ok = all(results)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"torch GPU checks: {sum(results)} passed, {len(results) - sum(results)} failed", flush=True)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
