@@ -44,6 +44,7 @@ if [[ "$what" == "torch" ]]; then
       tee "$out/train_tp$tp.log" | grep -E "corpus|val|final|Error"
   done
   grep -hE "checks" "$out"/torch_gpu_*.log
+  mv "$out/configure.log" "$out/build.log" "$build/" 2>/dev/null  # at most 8 files come back
   exit 0
 fi
 for ranks in 1 $([[ $gpus -ge 2 ]] && echo 2); do
