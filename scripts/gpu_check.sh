@@ -31,6 +31,10 @@ cmake --build $build --parallel "$(nproc)" >"$out/build.log" 2>&1 || { grep -E "
 echo "build: $(( $(date +%s) - start )) s"
 
 results=()
+if [[ "$what" == "diagnose" ]]; then
+  SHARDMUON_LIBRARY="$root/$build/libshardmuon.so" python3 -X faulthandler python/tests/gpu/diagnose.py 2>&1 | tail -40
+  exit 0
+fi
 if [[ "$what" == "torch" ]]; then
   # The PyTorch front end with this machine's PyTorch (2.x): torchrun on 2 GPUs against the
   # whole-matrix reference, 1 GPU against torch.optim.Muon, then the main job at TP 1 and 2.

@@ -181,6 +181,8 @@ class Communicator:
 def _nccl_comm_pointer(group, device: torch.device) -> int:
     """The ncclComm_t of a ProcessGroupNCCL (PyTorch creates it lazily: a first collective
     on this device makes sure it exists)."""
+    if group is None:  # the world group, which normalize_group() holds as None
+        group = dist.distributed_c10d._get_default_group()
     backend = group._get_backend(device) if hasattr(group, "_get_backend") else None
     if backend is None or not hasattr(backend, "_comm_ptr"):
         raise RuntimeError(
