@@ -32,7 +32,9 @@ echo "build: $(( $(date +%s) - start )) s"
 
 results=()
 if [[ "$what" == "diagnose" ]]; then
-  SHARDMUON_LIBRARY="$root/$build/libshardmuon.so" python3 -X faulthandler python/tests/gpu/diagnose.py 2>&1 | tail -40
+  export SHARDMUON_LIBRARY="$root/$build/libshardmuon.so"
+  cuda-gdb -batch -ex run -ex bt -ex "info sharedlibrary cublas" --args python3 python/tests/gpu/diagnose.py 2>&1 |
+    grep -vE "^\[New Thread|^\[Thread|^  loaded" | tail -45
   exit 0
 fi
 if [[ "$what" == "torch" ]]; then
