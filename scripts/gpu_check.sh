@@ -32,7 +32,9 @@ echo "build: $(( $(date +%s) - start )) s"
 
 results=()
 if [[ "$what" == "diagnose" ]]; then
-  grep -E "NO_SYMBOLIC" $build/CMakeCache.txt | head -2
+  which -a g++ c++ | head; /opt/gcc/bin/g++ --version | head -1; /usr/bin/g++ --version 2>&1 | head -1
+  /opt/gcc/bin/g++ -dumpspecs 2>/dev/null | grep -A1 -iE "static-libstdc|^\*link:" | head -6
+  ldd $build/libshardmuon.so | grep -E "stdc|gcc_s" ; nm -D --defined-only $build/libshardmuon.so | grep -c "_ZNSo"
   export SHARDMUON_LIBRARY="$root/$build/libshardmuon.so"
   cuda-gdb -batch -ex run -ex bt -ex "info sharedlibrary cublas" --args python3 python/tests/gpu/diagnose.py 2>&1 |
     grep -vE "^\[New Thread|^\[Thread|^  loaded" | tail -45
