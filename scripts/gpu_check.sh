@@ -22,6 +22,14 @@ build=build-gpu
 # Header-only dependencies the GPU image may lack can be carried in .deps/include.
 deps=()
 if [[ -d "$root/.deps/include" ]]; then deps=(-DSHARDMUON_DEPS_DIR="$root/.deps"); fi
+# The image's default g++ (/opt/gcc/bin/g++) is a wrapper that links every shared library
+# with -Bsymbolic, appended after any flag of ours. The library then binds to its own copies
+# of libstdc++'s template statics (locale facet ids) and crashes in the first ostringstream
+# inside a process that also uses libstdc++, such as PyTorch. The distribution's g++ links
+# normally.
+if [[ -x /usr/bin/g++ ]]; then
+  deps+=(-DCMAKE_CXX_COMPILER=/usr/bin/g++ -DCMAKE_CUDA_HOST_COMPILER=/usr/bin/g++)
+fi
 cmake -S . -B $build -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 \
   -DSHARDMUON_WARNINGS_AS_ERRORS=ON "${deps[@]}" >"$out/configure.log" 2>&1 ||
   { tail -30 "$out/configure.log"; exit 1; }
@@ -32,9 +40,8 @@ echo "build: $(( $(date +%s) - start )) s"
 
 results=()
 if [[ "$what" == "diagnose" ]]; then
-  which -a g++ c++ | head; /opt/gcc/bin/g++ --version | head -1; /usr/bin/g++ --version 2>&1 | head -1
-  /opt/gcc/bin/g++ -dumpspecs 2>/dev/null | grep -A1 -iE "static-libstdc|^\*link:" | head -6
-  ldd $build/libshardmuon.so | grep -E "stdc|gcc_s" ; nm -D --defined-only $build/libshardmuon.so | grep -c "_ZNSo"
+  grep -E "CMAKE_CXX_COMPILER:" $build/CMakeCache.txt
+  readelf -d $build/libshardmuon.so | grep -iE "symbolic" || echo "no SYMBOLIC in the dynamic section"
   export SHARDMUON_LIBRARY="$root/$build/libshardmuon.so"
   cuda-gdb -batch -ex run -ex bt -ex "info sharedlibrary cublas" --args python3 python/tests/gpu/diagnose.py 2>&1 |
     grep -vE "^\[New Thread|^\[Thread|^  loaded" | tail -45
