@@ -6,7 +6,6 @@
 #include <exception>
 #include <new>
 #include <optional>
-#include <sstream>
 #include <string>
 
 #include "api/handles.h"
@@ -77,12 +76,10 @@ ValidatedNsCall validate_ns_call(shardmuon_context_t context, Communicator& comm
   digest.add(options->eps).add(options->algorithm);
   call.digest = digest.value();
 
-  std::ostringstream description;
-  description << "dtype=" << dtype_name(dtype) << ", layout " << shard_layout.describe()
-              << ", iterations=" << options->num_iterations
-              << ", schedule=" << schedule_name(options->schedule) << ", eps=" << options->eps
-              << ", algorithm=" << algorithm_name(options->algorithm);
-  call.description = description.str();
+  call.description = concat("dtype=", dtype_name(dtype), ", layout ", shard_layout.describe(),
+                            ", iterations=", options->num_iterations,
+                            ", schedule=", schedule_name(options->schedule), ", eps=", options->eps,
+                            ", algorithm=", algorithm_name(options->algorithm));
   return call;
 }
 

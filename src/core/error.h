@@ -2,10 +2,10 @@
 // catches them at the boundary (api_guard.h) and keeps the message for shardmuon_last_error().
 #pragma once
 
-#include <sstream>
 #include <stdexcept>
 #include <string>
 
+#include "core/format.h"
 #include "shardmuon/shardmuon.h"
 
 namespace shardmuon {
@@ -20,19 +20,9 @@ class Failure : public std::runtime_error {
   shardmuon_status status_;
 };
 
-namespace detail {
-// Concatenates any streamable values into one message.
-template <typename... Parts>
-std::string concat(const Parts&... parts) {
-  std::ostringstream out;
-  (out << ... << parts);
-  return out.str();
-}
-}  // namespace detail
-
 template <typename... Parts>
 [[noreturn]] void fail(shardmuon_status status, const Parts&... parts) {
-  throw Failure(status, detail::concat(parts...));
+  throw Failure(status, concat(parts...));
 }
 
 // Throws INVALID_ARGUMENT with the message when the condition does not hold.

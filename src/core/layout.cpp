@@ -1,7 +1,6 @@
 #include "core/layout.h"
 
 #include <limits>
-#include <sstream>
 
 #include "core/error.h"
 
@@ -73,16 +72,11 @@ int ShardLayout::long_dim() const {
 }
 
 std::string ShardLayout::describe() const {
-  std::ostringstream out;
-  out << rows_ << " x " << cols_;
-  if (!is_sharded()) {
-    out << " replicated";
-    return out.str();
-  }
-  out << " sharded along dim " << sharded_dim() << " as [";
-  for (size_t r = 0; r < shard_sizes_.size(); ++r) out << (r ? ", " : "") << shard_sizes_[r];
-  out << "]";
-  return out.str();
+  std::string out = concat(rows_, " x ", cols_);
+  if (!is_sharded()) return out + " replicated";
+  out += concat(" sharded along dim ", sharded_dim(), " as [");
+  for (size_t r = 0; r < shard_sizes_.size(); ++r) out += concat(r ? ", " : "", shard_sizes_[r]);
+  return out + "]";
 }
 
 }  // namespace shardmuon

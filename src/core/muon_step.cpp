@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <sstream>
 
 #include "core/agreement.h"
 #include "core/dtype.h"
@@ -35,14 +34,13 @@ struct BufferRange {
 
 void check_buffer(const Backend& backend, const void* pointer, const char* field, int index,
                   int64_t elements, shardmuon_dtype dtype, std::vector<BufferRange>& ranges) {
-  std::ostringstream name;
-  name << "params[" << index << "]." << field;
-  SHARDMUON_CHECK_ARG(pointer != nullptr, name.str(), " is NULL but this rank's shard holds ",
-                      elements, " elements");
-  SHARDMUON_CHECK_ARG(reinterpret_cast<uintptr_t>(pointer) % element_size(dtype) == 0, name.str(),
-                      " (", pointer, ") is not aligned to the ", element_size(dtype),
+  const std::string name = concat("params[", index, "].", field);
+  SHARDMUON_CHECK_ARG(pointer != nullptr, name, " is NULL but this rank's shard holds ", elements,
+                      " elements");
+  SHARDMUON_CHECK_ARG(reinterpret_cast<uintptr_t>(pointer) % element_size(dtype) == 0, name, " (",
+                      pointer, ") is not aligned to the ", element_size(dtype),
                       "-byte elements of ", dtype_name(dtype));
-  backend.check_pointer(pointer, name.str().c_str());
+  backend.check_pointer(pointer, name.c_str());
   const uintptr_t begin = reinterpret_cast<uintptr_t>(pointer);
   ranges.push_back({begin, begin + elements * element_size(dtype), index, field});
 }
@@ -189,14 +187,13 @@ ValidatedMuonStep validate_muon_step(const Backend& backend, const Communicator&
   }
 
   step.digest = digest.value();
-  std::ostringstream description;
-  description << num_params << " parameters in " << num_groups << " groups (group 0: lr "
-              << groups[0].lr << ", momentum " << groups[0].momentum << ")";
+  step.description = concat(num_params, " parameters in ", num_groups, " groups (group 0: lr ",
+                            groups[0].lr, ", momentum ", groups[0].momentum, ")");
   for (int i = 0; i < std::min(num_params, 3); ++i) {
-    description << "; params[" << i << "]: " << step.plans[i].ns.layout.describe() << " "
-                << dtype_name(params[i].dtype) << (step.plans[i].has_grad ? "" : " without grad");
+    step.description +=
+        concat("; params[", i, "]: ", step.plans[i].ns.layout.describe(), " ",
+               dtype_name(params[i].dtype), step.plans[i].has_grad ? "" : " without grad");
   }
-  step.description = description.str();
   return step;
 }
 

@@ -11,7 +11,6 @@
 #include <nlohmann/json.hpp>
 #include <random>
 #include <set>
-#include <sstream>
 
 #include "core/agreement.h"
 #include "core/dtype.h"

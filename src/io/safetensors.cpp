@@ -1,14 +1,14 @@
 #include "io/safetensors.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstring>
-#include <fstream>
 #include <nlohmann/json.hpp>
-#include <sstream>
 
 #include "core/error.h"
 
@@ -37,10 +37,47 @@ std::string directory_of(const std::string& path) {
 // A unique temporary name next to path: the process id and a per-process counter.
 std::string temporary_name(const std::string& path) {
   static std::atomic<uint64_t> counter{0};
-  std::ostringstream name;
-  name << path << ".tmp-" << getpid() << "-" << counter++;
-  return name.str();
+  return concat(path, ".tmp-", static_cast<long long>(getpid()), "-", counter++);
 }
+
+// A file opened for reading, closed on scope exit.
+class ReadFile {
+ public:
+  explicit ReadFile(const std::string& path) : path_(path) {
+    fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd_ < 0) {
+      fail(SHARDMUON_ERROR_INVALID_ARGUMENT, "cannot open ", path, ": ", std::strerror(errno));
+    }
+  }
+  ~ReadFile() { ::close(fd_); }
+  ReadFile(const ReadFile&) = delete;
+  ReadFile& operator=(const ReadFile&) = delete;
+
+  uint64_t size() const {
+    struct stat info {};
+    if (::fstat(fd_, &info) != 0) fail_io("cannot stat", path_);
+    return static_cast<uint64_t>(info.st_size);
+  }
+
+  // Reads exactly bytes at offset; false if the file ends first.
+  bool read_at(uint64_t offset, void* buffer, size_t bytes) const {
+    char* at = static_cast<char*>(buffer);
+    while (bytes > 0) {
+      const ssize_t got = ::pread(fd_, at, bytes, static_cast<off_t>(offset));
+      if (got < 0 && errno == EINTR) continue;
+      if (got < 0) fail_io("cannot read", path_);
+      if (got == 0) return false;
+      at += got;
+      offset += static_cast<uint64_t>(got);
+      bytes -= static_cast<size_t>(got);
+    }
+    return true;
+  }
+
+ private:
+  std::string path_;
+  int fd_ = -1;
+};
 
 void write_all(int fd, const void* data, size_t bytes, const std::string& path) {
   const char* at = static_cast<const char*>(data);
@@ -87,13 +124,6 @@ void write_pieces_atomically(const std::string& path,
   }
 }
 
-uint64_t file_size(std::ifstream& in) {
-  in.seekg(0, std::ios::end);
-  const auto size = in.tellg();
-  in.seekg(0, std::ios::beg);
-  return size < 0 ? 0 : static_cast<uint64_t>(size);
-}
-
 }  // namespace
 
 size_t safetensors_dtype_size(const std::string& dtype) {
@@ -138,20 +168,21 @@ void write_file_atomically(const std::string& path, const std::string& text) {
 }
 
 std::string read_text_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) fail(SHARDMUON_ERROR_INVALID_ARGUMENT, "cannot open ", path, ": ", std::strerror(errno));
-  std::ostringstream text;
-  text << in.rdbuf();
-  return text.str();
+  const ReadFile file(path);
+  std::string text(file.size(), '\0');
+  if (!file.read_at(0, text.data(), text.size())) {
+    fail(SHARDMUON_ERROR_INVALID_ARGUMENT, path, " changed size while it was read");
+  }
+  return text;
 }
 
 SafetensorsHeader read_safetensors_header(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) fail(SHARDMUON_ERROR_INVALID_ARGUMENT, "cannot open ", path, ": ", std::strerror(errno));
-  const uint64_t size = file_size(in);
-  if (size < 8) fail_format(path, "shorter than the 8-byte header length (truncated?)");
+  const ReadFile file(path);
+  const uint64_t size = file.size();
   unsigned char length_bytes[8];
-  in.read(reinterpret_cast<char*>(length_bytes), 8);
+  if (size < 8 || !file.read_at(0, length_bytes, 8)) {
+    fail_format(path, "shorter than the 8-byte header length (truncated?)");
+  }
   uint64_t length = 0;
   for (int i = 7; i >= 0; --i) length = (length << 8) | length_bytes[i];
   if (length > kMaxHeaderBytes || length > size - 8) {
@@ -160,8 +191,7 @@ SafetensorsHeader read_safetensors_header(const std::string& path) {
                           " bytes; truncated?)");
   }
   std::string text(length, '\0');
-  in.read(text.data(), static_cast<std::streamsize>(length));
-  if (!in) fail_format(path, "the header could not be read");
+  if (!file.read_at(8, text.data(), length)) fail_format(path, "the header could not be read");
 
   SafetensorsHeader header;
   header.data_start = 8 + length;
@@ -220,12 +250,11 @@ SafetensorsHeader read_safetensors_header(const std::string& path) {
 std::vector<unsigned char> read_safetensors_tensor(const std::string& path,
                                                    const SafetensorsHeader& header,
                                                    const SafetensorsEntry& entry) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) fail(SHARDMUON_ERROR_INVALID_ARGUMENT, "cannot open ", path, ": ", std::strerror(errno));
+  const ReadFile file(path);
   std::vector<unsigned char> bytes(entry.end - entry.begin);
-  in.seekg(static_cast<std::streamoff>(header.data_start + entry.begin));
-  in.read(reinterpret_cast<char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
-  if (!in) fail_format(path, "tensor " + entry.name + " could not be read (truncated?)");
+  if (!file.read_at(header.data_start + entry.begin, bytes.data(), bytes.size())) {
+    fail_format(path, "tensor " + entry.name + " could not be read (truncated?)");
+  }
   return bytes;
 }
 
