@@ -131,8 +131,12 @@ def single_gpu_checks(device):
             theirs_error = reference.relative_error(theirs.detach().double().cpu() - w0.double(), update_ref)
             between = reference.relative_error(ours.detach().double().cpu() - w0.double(),
                                                theirs.detach().double().cpu() - w0.double())
-            # The same computation up to rounding: both within bf16's error of the float64 update.
-            record(f"vs torch.optim.Muon {rows}x{cols} {str(dtype)[6:]}", between < 5e-2 and ours_error < 5e-2,
+            # float32 parameters: ours is float32 throughout, torch's Newton-Schulz runs in bf16, so
+            # the two differ by torch's bf16 error. bf16 parameters: three steps' updates are
+            # dominated by the rounding of W itself to bf16, independently in each optimizer, so
+            # the check is that ours is no further from the float64 update than torch's.
+            ok = between < 2e-2 and ours_error < 1e-4 if dtype == torch.float32 else ours_error <= theirs_error
+            record(f"vs torch.optim.Muon {rows}x{cols} {str(dtype)[6:]}", ok,
                    f"update error vs float64: ours {ours_error:.2e}, torch.optim.Muon {theirs_error:.2e}; "
                    f"between them {between:.2e}")
 
