@@ -57,7 +57,12 @@ typedef enum shardmuon_status {
   SHARDMUON_ERROR_CUBLAS = 8,
   SHARDMUON_ERROR_NCCL = 9,
   SHARDMUON_ERROR_MPI = 10,
-  SHARDMUON_ERROR_INTERNAL = 11
+  SHARDMUON_ERROR_INTERNAL = 11,
+  /* The other ranks did not join the call's argument exchange in time (see
+   * shardmuon_comm_set_timeout); the communicator handle is unusable afterwards. */
+  SHARDMUON_ERROR_TIMEOUT = 12,
+  /* A gradient or an update was not finite and the policy is RAISE; nothing was written. */
+  SHARDMUON_ERROR_NON_FINITE = 13
 } shardmuon_status;
 
 /* The message of the last failed call on this thread ("" if none). Valid until the next
@@ -231,6 +236,16 @@ typedef struct shardmuon_comm_callbacks {
 /* The callbacks are copied; user_data must outlive the handle. */
 SHARDMUON_API shardmuon_status shardmuon_comm_create_callbacks(
     const shardmuon_comm_callbacks* callbacks, shardmuon_backend backend, shardmuon_comm_t* comm);
+
+/* How long a collective call waits, in its argument exchange (the first thing every collective
+ * call does), for the other ranks to join: after that it returns SHARDMUON_ERROR_TIMEOUT on the
+ * ranks that did join, and the handle is unusable (destroy it; for NCCL its private
+ * communicator is aborted, the caller's is not touched). 0 waits forever. The default is 300
+ * seconds, or $SHARDMUON_TIMEOUT_SECONDS when set. Once every rank has joined, the ranks agree
+ * on every argument, so the call's collectives match; a rank that dies during them is left to
+ * the caller's NCCL watchdog (PyTorch's, for example). Callback communicators time out in the
+ * caller's own collectives. */
+SHARDMUON_API shardmuon_status shardmuon_comm_set_timeout(shardmuon_comm_t comm, double seconds);
 
 /* Frees the handle (and the private resources it made); the wrapped communicator remains
  * the caller's. NULL is a no-op. */

@@ -1,5 +1,6 @@
 // The C API: thin entry points that check arguments, convert handles and call into the
 // internals. Every function runs inside api_guard, so no exception crosses the boundary.
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -142,6 +143,8 @@ const char* shardmuon_status_name(shardmuon_status status) {
     case SHARDMUON_ERROR_NCCL: return "SHARDMUON_ERROR_NCCL";
     case SHARDMUON_ERROR_MPI: return "SHARDMUON_ERROR_MPI";
     case SHARDMUON_ERROR_INTERNAL: return "SHARDMUON_ERROR_INTERNAL";
+    case SHARDMUON_ERROR_TIMEOUT: return "SHARDMUON_ERROR_TIMEOUT";
+    case SHARDMUON_ERROR_NON_FINITE: return "SHARDMUON_ERROR_NON_FINITE";
   }
   return "SHARDMUON_ERROR_UNKNOWN_STATUS";
 }
@@ -306,6 +309,14 @@ shardmuon_status shardmuon_comm_create_callbacks(const shardmuon_comm_callbacks*
   return create_comm(__func__, comm, [&] {
     SHARDMUON_CHECK_ARG(callbacks != nullptr, "callbacks is NULL");
     return shardmuon::make_callback_communicator(*callbacks, backend);
+  });
+}
+
+shardmuon_status shardmuon_comm_set_timeout(shardmuon_comm_t comm, double seconds) {
+  return api_guard(__func__, [&] {
+    SHARDMUON_CHECK_ARG(std::isfinite(seconds) && seconds >= 0,
+                        "seconds must be finite and >= 0, got ", seconds);
+    shardmuon::communicator_of(comm, "comm").set_timeout(seconds);
   });
 }
 

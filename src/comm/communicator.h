@@ -5,6 +5,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "core/backend.h"
@@ -13,7 +14,14 @@ namespace shardmuon {
 
 class Communicator {
  public:
+  Communicator();
   virtual ~Communicator() = default;
+
+  // The deadline of agree_max (0: none); $SHARDMUON_TIMEOUT_SECONDS or 300 s by default.
+  void set_timeout(double seconds) { timeout_seconds_ = seconds; }
+  double timeout_seconds() const { return timeout_seconds_; }
+  // After a timeout the handle refuses every further call (throws TIMEOUT saying why).
+  void check_usable() const;
 
   virtual const char* kind_name() const = 0;  // "self", "mpi" or "nccl"
   virtual int rank() const = 0;
@@ -40,8 +48,17 @@ class Communicator {
 
   // Host-side and blocking: element-wise maximum of count values over the group, on a
   // channel separate from the caller's own communication, so it never queues behind it.
-  // Used to check that the ranks agree before any collective of a call.
+  // Used to check that the ranks agree before any collective of a call. Throws TIMEOUT (and
+  // marks the communicator unusable) when the others do not join within the timeout.
   virtual void agree_max(int64_t* values, int count) = 0;
+
+ protected:
+  // Called by an implementation whose exchange timed out.
+  [[noreturn]] void fail_timeout(const char* channel, double waited_seconds);
+
+ private:
+  double timeout_seconds_;
+  std::string failure_;  // why the handle is unusable, or empty
 };
 
 }  // namespace shardmuon

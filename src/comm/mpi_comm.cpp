@@ -3,8 +3,10 @@
 #include <mpi.h>
 
 #include <algorithm>
+#include <chrono>
 #include <climits>
 #include <string>
+#include <thread>
 
 #include "comm/factories.h"
 #include "core/error.h"
@@ -40,7 +42,16 @@ class MpiCommunicator final : public Communicator {
   ~MpiCommunicator() override {
     int finalized = 0;
     MPI_Finalized(&finalized);
-    if (!finalized) MPI_Comm_free(&comm_);
+    if (finalized) return;
+    // A timed-out exchange may still be pending. MPI can neither cancel nor free an active
+    // collective request, and Open MPI crashes if the communicator of a pending nonblocking
+    // collective is freed (seen with 4.1), so both are then left to MPI until it finalizes.
+    if (pending_ != MPI_REQUEST_NULL) {
+      int done = 0;
+      MPI_Test(&pending_, &done, MPI_STATUS_IGNORE);
+      if (!done) return;
+    }
+    MPI_Comm_free(&comm_);
   }
 
   const char* kind_name() const override { return "mpi"; }
@@ -89,12 +100,35 @@ class MpiCommunicator final : public Communicator {
               "MPI_Alltoallv");
   }
 
+  // Nonblocking, so that it can give up: the buffer is the communicator's own, because after a
+  // timeout the collective stays pending (MPI cannot cancel it) and may complete later.
   void agree_max(int64_t* values, int count) override {
-    check_mpi(MPI_Allreduce(MPI_IN_PLACE, values, count, MPI_INT64_T, MPI_MAX, comm_),
-              "MPI_Allreduce (argument check)");
+    if (count > kMaxAgreementValues) fail(SHARDMUON_ERROR_INTERNAL, "too many agreement values");
+    std::copy(values, values + count, exchange_);
+    MPI_Request request;
+    check_mpi(MPI_Iallreduce(MPI_IN_PLACE, exchange_, count, MPI_INT64_T, MPI_MAX, comm_, &request),
+              "MPI_Iallreduce (argument check)");
+    const auto start = std::chrono::steady_clock::now();
+    auto pause = std::chrono::microseconds(2);
+    for (int done = 0;;) {
+      check_mpi(MPI_Test(&request, &done, MPI_STATUS_IGNORE), "MPI_Test (argument check)");
+      if (done) break;
+      const double waited =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      if (timeout_seconds() > 0 && waited > timeout_seconds()) {
+        pending_ = request;
+        fail_timeout("MPI", waited);
+      }
+      std::this_thread::sleep_for(pause);
+      pause = std::min(pause * 2, std::chrono::microseconds(1000));
+    }
+    std::copy(exchange_, exchange_ + count, values);
   }
 
  private:
+  static constexpr int kMaxAgreementValues = 16;
+  int64_t exchange_[kMaxAgreementValues] = {};
+  MPI_Request pending_ = MPI_REQUEST_NULL;
   MPI_Comm comm_ = MPI_COMM_NULL;
   int rank_ = 0, size_ = 1;
 };

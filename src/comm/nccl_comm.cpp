@@ -6,7 +6,9 @@
 #include <nccl.h>
 
 #include <algorithm>
+#include <chrono>
 #include <memory>
+#include <thread>
 
 #include "comm/factories.h"
 #include "core/error.h"
@@ -104,7 +106,26 @@ class NcclCommunicator final : public Communicator {
     SHARDMUON_NCCL(
         ncclAllReduce(device, device, count, ncclInt64, ncclMax, check_comm_.get(), stream));
     SHARDMUON_CUDA(cudaMemcpyAsync(host, device, bytes, cudaMemcpyDeviceToHost, stream));
-    SHARDMUON_CUDA(cudaStreamSynchronize(stream));
+    // Poll rather than block, so that a rank that never joins ends in a timeout, not a hang.
+    const auto start = std::chrono::steady_clock::now();
+    auto pause = std::chrono::microseconds(2);
+    for (;;) {
+      const cudaError_t state = cudaStreamQuery(stream);
+      if (state == cudaSuccess) break;
+      if (state != cudaErrorNotReady) check_cuda(state, "cudaStreamQuery (argument check)");
+      ncclResult_t async = ncclSuccess;
+      SHARDMUON_NCCL(ncclCommGetAsyncError(check_comm_.get(), &async));
+      check_nccl(async, "the argument check's all-reduce");
+      const double waited =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      if (timeout_seconds() > 0 && waited > timeout_seconds()) {
+        // Abort the private communicator: its pending all-reduce stops, the caller's is untouched.
+        ncclCommAbort(check_comm_.release());
+        fail_timeout("NCCL", waited);
+      }
+      std::this_thread::sleep_for(pause);
+      pause = std::min(pause * 2, std::chrono::microseconds(1000));
+    }
     std::copy(host, host + count, values);
   }
 

@@ -6,6 +6,7 @@ namespace shardmuon {
 
 void agree_across_ranks(Communicator& comm, std::exception_ptr local_error, uint64_t digest,
                         const std::string& arguments, const char* peer_failure) {
+  comm.check_usable();  // a handle whose exchange timed out is out of step with the others
   if (comm.size() == 1) {
     if (local_error) std::rethrow_exception(local_error);
     return;
