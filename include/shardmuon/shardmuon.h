@@ -176,6 +176,21 @@ typedef struct shardmuon_context_s* shardmuon_context_t;
 /* A communicator: the group of ranks that share the sharded matrices. */
 typedef struct shardmuon_comm_s* shardmuon_comm_t;
 
+/* What a Muon step does with values that are not finite. */
+typedef enum shardmuon_nonfinite_policy {
+  /* The default. A NaN or Inf in any gradient of a step, on any rank, skips the whole step on
+   * every rank: no parameter and no momentum changes. Otherwise a parameter whose
+   * orthogonalized update is not finite is skipped (its parameter and momentum unchanged).
+   * Detected on the device, without waiting for it; shardmuon_context_nonfinite_counts says
+   * how often it happened. */
+  SHARDMUON_NONFINITE_SKIP = 0,
+  /* As SKIP, and the step returns SHARDMUON_ERROR_NON_FINITE naming the parameters; the host
+   * waits for the step's end to know. */
+  SHARDMUON_NONFINITE_RAISE = 1,
+  /* No check: non-finite values reach momentum and parameters (the fastest path). */
+  SHARDMUON_NONFINITE_PROCEED = 2
+} shardmuon_nonfinite_policy;
+
 /* cuda_device is ignored for the CPU backend. */
 SHARDMUON_API shardmuon_status shardmuon_context_create(shardmuon_backend backend, int cuda_device,
                                                         shardmuon_context_t* context);
@@ -183,6 +198,16 @@ SHARDMUON_API shardmuon_status shardmuon_context_create(shardmuon_backend backen
 SHARDMUON_API shardmuon_status shardmuon_context_destroy(shardmuon_context_t context);
 SHARDMUON_API shardmuon_status shardmuon_context_backend(shardmuon_context_t context,
                                                          shardmuon_backend* backend);
+SHARDMUON_API shardmuon_status shardmuon_context_set_nonfinite_policy(
+    shardmuon_context_t context, shardmuon_nonfinite_policy policy);
+
+/* Steps skipped because a gradient was not finite, and parameters skipped because their
+ * update was not finite, by the context's Muon steps so far. Waits for the context's device
+ * work. */
+SHARDMUON_API shardmuon_status shardmuon_context_nonfinite_counts(shardmuon_context_t context,
+                                                                  int64_t* skipped_steps,
+                                                                  int64_t* skipped_params);
+
 /* Bytes of workspace the context currently holds. */
 SHARDMUON_API shardmuon_status shardmuon_context_workspace_bytes(shardmuon_context_t context,
                                                                  size_t* bytes);

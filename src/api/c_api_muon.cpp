@@ -46,8 +46,9 @@ shardmuon_status shardmuon_muon_step(shardmuon_context_t context, shardmuon_comm
       // The workspace grows before the ranks agree, so running out of memory is reported to
       // every rank instead of stranding the others in a collective.
       scope.emplace(*backend, stream);
-      backend->workspace(
-          shardmuon::muon_step_workspace_bytes(*backend, step, group.rank(), group.size()), stream);
+      backend->workspace(shardmuon::muon_step_workspace_bytes(
+                             *backend, step, group.rank(), group.size(), context->nonfinite_policy),
+                         stream);
     } catch (const shardmuon::Failure&) {
       local_error = std::current_exception();
     } catch (const std::bad_alloc&) {
@@ -55,7 +56,35 @@ shardmuon_status shardmuon_muon_step(shardmuon_context_t context, shardmuon_comm
           SHARDMUON_ERROR_OUT_OF_MEMORY, "out of host memory for the workspace"));
     }
     shardmuon::agree_across_ranks(group, local_error, step.digest, step.description);
-    shardmuon::run_muon_step(*backend, group, step, stream);
+    shardmuon::run_muon_step(*backend, group, step, stream, context->nonfinite_policy);
+  });
+}
+
+shardmuon_status shardmuon_context_set_nonfinite_policy(shardmuon_context_t context,
+                                                        shardmuon_nonfinite_policy policy) {
+  return api_guard(__func__, [&] {
+    shardmuon::backend_of(context, "context");
+    SHARDMUON_CHECK_ARG(policy >= SHARDMUON_NONFINITE_SKIP && policy <= SHARDMUON_NONFINITE_PROCEED,
+                        "policy is unknown: ", static_cast<int>(policy));
+    context->nonfinite_policy = policy;
+  });
+}
+
+shardmuon_status shardmuon_context_nonfinite_counts(shardmuon_context_t context,
+                                                    int64_t* skipped_steps,
+                                                    int64_t* skipped_params) {
+  return api_guard(__func__, [&] {
+    shardmuon::Backend& backend = shardmuon::backend_of(context, "context");
+    SHARDMUON_CHECK_ARG(skipped_steps != nullptr && skipped_params != nullptr,
+                        "skipped_steps and skipped_params must not be NULL");
+    int64_t counters[2] = {0, 0};
+    // The counters are written in stream order by the context's steps: wait for the last one.
+    backend.wait_for_last_call();
+    shardmuon::BackendCallScope scope(backend, nullptr);
+    backend.copy_to_host(counters, backend.persistent_status(), sizeof counters, nullptr);
+    backend.synchronize(nullptr);
+    *skipped_steps = counters[0];
+    *skipped_params = counters[1];
   });
 }
 

@@ -51,6 +51,25 @@ struct MomentumPass {
   double beta = 0.0;
   bool nesterov = false;
   double l2_decay = 0.0;
+  // Where the new momentum goes: momentum itself (in place) when null, else this buffer, so
+  // that the step can decide later whether to keep it (commit_pass).
+  void* new_momentum = nullptr;
+};
+
+// The last pass of a checked step: unless a flag is set, param <- param * decay - step_size *
+// update and momentum <- new_momentum. Flags are floats in backend memory (nonzero: set); a
+// parameter skipped because of its own flag (not the step's) adds one to *skipped_params.
+struct CommitPass {
+  void* param = nullptr;
+  const void* update = nullptr;
+  void* momentum = nullptr;
+  const void* new_momentum = nullptr;
+  shardmuon_dtype dtype = SHARDMUON_FLOAT32;
+  int64_t count = 0;
+  double decay = 1.0, step_size = 0.0;
+  const float* step_flag = nullptr;
+  const float* param_flag = nullptr;
+  int64_t* skipped_params = nullptr;
 };
 
 class Backend {
@@ -95,6 +114,14 @@ class Backend {
   virtual void gemm(const GemmCall& call, Stream stream) = 0;
 
   virtual void momentum_pass(const MomentumPass& pass, Stream stream) = 0;
+  virtual void commit_pass(const CommitPass& pass, Stream stream) = 0;
+  // *flag becomes 1 if any of the count values is NaN or infinite (it is never cleared here).
+  virtual void flag_nonfinite(const void* x, shardmuon_dtype dtype, int64_t count, float* flag,
+                              Stream stream) = 0;
+  // *counter += 1 if *flag is set.
+  virtual void count_if_flagged(const float* flag, int64_t* counter, Stream stream) = 0;
+  // A few bytes of zeroed backend memory that live as long as the backend (counters).
+  virtual void* persistent_status() = 0;
   // Steps 1 and 6 fused: param <- param * decay - step_size * update.
   virtual void update_pass(void* param, const void* update, shardmuon_dtype dtype, int64_t count,
                            double decay, double step_size, Stream stream) = 0;
@@ -116,6 +143,8 @@ class Backend {
   virtual void copy_to_host(void* host, const void* src, size_t bytes, Stream stream) = 0;
   virtual void copy_from_host(void* dst, const void* host, size_t bytes, Stream stream) = 0;
   virtual void synchronize(Stream stream) = 0;
+  // Waits for the last call's work, whatever stream it ran on.
+  virtual void wait_for_last_call() = 0;
 };
 
 }  // namespace shardmuon

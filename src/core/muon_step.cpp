@@ -197,23 +197,124 @@ ValidatedMuonStep validate_muon_step(const Backend& backend, const Communicator&
   return step;
 }
 
+namespace {
+
+size_t flag_bytes(const ValidatedMuonStep& step) {
+  return aligned_bytes((1 + step.plans.size()) * sizeof(float));
+}
+
+// A checked step (SKIP or RAISE). The workspace holds the flags (the step's, then one per
+// parameter), then per parameter its new momentum, its update and the Newton-Schulz scratch.
+void run_checked_step(Backend& backend, Communicator& comm, const ValidatedMuonStep& step,
+                      Stream stream, shardmuon_nonfinite_policy policy) {
+  const int rank = comm.rank();
+  char* base = static_cast<char*>(backend.workspace(
+      muon_step_workspace_bytes(backend, step, rank, comm.size(), policy), stream));
+  float* flags = reinterpret_cast<float*>(base);
+  char* counters = static_cast<char*>(backend.persistent_status());
+  int64_t* skipped_steps = reinterpret_cast<int64_t*>(counters + kSkippedStepsOffset);
+  int64_t* skipped_params = reinterpret_cast<int64_t*>(counters + kSkippedParamsOffset);
+  const size_t region = flag_bytes(step);
+  backend.fill_zero(flags, (1 + step.plans.size()) * sizeof(float), stream);
+
+  // Any non-finite gradient, on any rank, skips the whole step.
+  for (const MuonParamPlan& plan : step.plans) {
+    if (!plan.has_grad) continue;
+    backend.flag_nonfinite(plan.param->grad, plan.ns.dtype, plan.ns.layout.local_elements(rank),
+                           flags, stream);
+  }
+  if (comm.size() > 1) comm.all_reduce_sum(flags, 1, SHARDMUON_FLOAT32, stream);
+
+  for (size_t i = 0; i < step.plans.size(); ++i) {
+    const MuonParamPlan& plan = step.plans[i];
+    if (!plan.has_grad) continue;
+    const shardmuon_muon_param& p = *plan.param;
+    const int64_t count = plan.ns.layout.local_elements(rank);
+    const size_t shard_bytes = aligned_bytes(count * element_size(p.dtype));
+    char* new_momentum = base + region;
+    char* update = new_momentum + shard_bytes;
+
+    MomentumPass pass;
+    pass.grad = p.grad;
+    pass.param = plan.l2_decay != 0.0 ? p.param : nullptr;
+    pass.momentum = p.momentum;
+    pass.new_momentum = new_momentum;
+    pass.update = update;
+    pass.dtype = p.dtype;
+    pass.count = count;
+    pass.beta = plan.beta;
+    pass.nesterov = plan.nesterov;
+    pass.l2_decay = plan.l2_decay;
+    backend.momentum_pass(pass, stream);
+    run_newton_schulz(backend, comm, plan.ns, update, stream, region + 2 * shard_bytes);
+
+    // A sharded update must be skipped on every rank or on none.
+    float* param_flag = flags + 1 + i;
+    backend.flag_nonfinite(update, p.dtype, count, param_flag, stream);
+    if (comm.size() > 1 && plan.ns.layout.is_sharded()) {
+      comm.all_reduce_sum(param_flag, 1, SHARDMUON_FLOAT32, stream);
+    }
+    CommitPass commit;
+    commit.param = p.param;
+    commit.update = update;
+    commit.momentum = p.momentum;
+    commit.new_momentum = new_momentum;
+    commit.dtype = p.dtype;
+    commit.count = count;
+    commit.decay = plan.decay;
+    commit.step_size = plan.step_size;
+    commit.step_flag = flags;
+    commit.param_flag = param_flag;
+    commit.skipped_params = skipped_params;
+    backend.commit_pass(commit, stream);
+  }
+  backend.count_if_flagged(flags, skipped_steps, stream);
+
+  if (policy != SHARDMUON_NONFINITE_RAISE) return;
+  std::vector<float> host(1 + step.plans.size());
+  backend.copy_to_host(host.data(), flags, host.size() * sizeof(float), stream);
+  backend.synchronize(stream);
+  if (host[0] != 0.0f) {
+    fail(SHARDMUON_ERROR_NON_FINITE,
+         "a gradient of the step was not finite (NaN or Inf, on this rank or another); the step "
+         "was skipped on every rank and nothing was written");
+  }
+  std::string bad;
+  for (size_t i = 0; i < step.plans.size(); ++i) {
+    if (host[1 + i] != 0.0f) bad += concat(bad.empty() ? "" : ", ", "params[", i, "]");
+  }
+  if (!bad.empty()) {
+    fail(SHARDMUON_ERROR_NON_FINITE, "the orthogonalized update of ", bad,
+         " was not finite; those parameters and their momentum were left as they were, the "
+         "others were updated");
+  }
+}
+
+}  // namespace
+
 size_t muon_step_workspace_bytes(const Backend& backend, const ValidatedMuonStep& step, int rank,
-                                 int ranks) {
+                                 int ranks, shardmuon_nonfinite_policy policy) {
+  const bool checked = policy != SHARDMUON_NONFINITE_PROCEED;
   size_t largest = 0;
   for (const MuonParamPlan& plan : step.plans) {
     if (!plan.has_grad) continue;
-    const size_t update =
+    const size_t shard =
         aligned_bytes(plan.ns.layout.local_elements(rank) * element_size(plan.ns.dtype));
-    largest =
-        std::max(largest, update + newton_schulz_workspace_bytes(backend, plan.ns, rank, ranks));
+    largest = std::max(largest, (checked ? 2 : 1) * shard +
+                                    newton_schulz_workspace_bytes(backend, plan.ns, rank, ranks));
   }
-  return largest;
+  return (checked ? flag_bytes(step) : 0) + largest;
 }
 
 void run_muon_step(Backend& backend, Communicator& comm, const ValidatedMuonStep& step,
-                   Stream stream) {
+                   Stream stream, shardmuon_nonfinite_policy policy) {
+  if (policy != SHARDMUON_NONFINITE_PROCEED) {
+    run_checked_step(backend, comm, step, stream, policy);
+    return;
+  }
   // Grown once up front: a later, larger request would move the buffer under the update.
-  backend.workspace(muon_step_workspace_bytes(backend, step, comm.rank(), comm.size()), stream);
+  backend.workspace(muon_step_workspace_bytes(backend, step, comm.rank(), comm.size(), policy),
+                    stream);
   for (const MuonParamPlan& plan : step.plans) {
     if (!plan.has_grad) continue;  // skipped on every rank alike (the digest saw to it)
     const shardmuon_muon_param& p = *plan.param;

@@ -46,11 +46,18 @@ ValidatedMuonStep validate_muon_step(const Backend& backend, const Communicator&
                                      bool use_grads = true);
 
 // Bytes of workspace a step needs on this rank: the largest parameter's update buffer and
-// Newton-Schulz scratch.
+// Newton-Schulz scratch, and for checked policies the flags and a new-momentum buffer.
 size_t muon_step_workspace_bytes(const Backend& backend, const ValidatedMuonStep& step, int rank,
-                                 int ranks);
+                                 int ranks, shardmuon_nonfinite_policy policy);
 
+// Where the backend's persistent status keeps the non-finite counters (int64 each).
+constexpr size_t kSkippedStepsOffset = 0;
+constexpr size_t kSkippedParamsOffset = 8;
+
+// Runs the step. With SKIP or RAISE, a non-finite gradient skips the step on every rank and a
+// non-finite update skips its parameter (nothing of them is written); RAISE then throws
+// NON_FINITE naming them, after waiting for the stream.
 void run_muon_step(Backend& backend, Communicator& comm, const ValidatedMuonStep& step,
-                   Stream stream);
+                   Stream stream, shardmuon_nonfinite_policy policy);
 
 }  // namespace shardmuon

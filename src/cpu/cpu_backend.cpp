@@ -183,6 +183,35 @@ class CpuBackend final : public Backend {
     }
   }
 
+  void commit_pass(const CommitPass& pass, Stream stream) override {
+    const bool step_bad = *pass.step_flag != 0.0f, param_bad = *pass.param_flag != 0.0f;
+    if (step_bad || param_bad) {
+      if (!step_bad && pass.skipped_params != nullptr) ++*pass.skipped_params;
+      return;
+    }
+    update_pass(pass.param, pass.update, pass.dtype, pass.count, pass.decay, pass.step_size,
+                stream);
+    if (pass.count > 0) {
+      std::memcpy(pass.momentum, pass.new_momentum, pass.count * element_size(pass.dtype));
+    }
+  }
+
+  void flag_nonfinite(const void* x, shardmuon_dtype dtype, int64_t count, float* flag,
+                      Stream) override {
+    for (int64_t i = 0; i < count; ++i) {
+      if (!std::isfinite(load(x, dtype, i))) {
+        *flag = 1.0f;
+        return;
+      }
+    }
+  }
+
+  void count_if_flagged(const float* flag, int64_t* counter, Stream) override {
+    if (*flag != 0.0f) ++*counter;
+  }
+
+  void* persistent_status() override { return status_; }
+
   void copy_to_host(void* host, const void* src, size_t bytes, Stream) override {
     if (bytes > 0) std::memcpy(host, src, bytes);
   }
@@ -190,6 +219,7 @@ class CpuBackend final : public Backend {
     if (bytes > 0) std::memcpy(dst, host, bytes);
   }
   void synchronize(Stream) override {}
+  void wait_for_last_call() override {}
 
   void shift_diagonal(const void* src, shardmuon_dtype src_type, void* dst,
                       shardmuon_dtype dst_type, int64_t n, double shift, Stream) override {
@@ -233,7 +263,7 @@ class CpuBackend final : public Backend {
       if (pass.l2_decay != 0.0) g += l2 * static_cast<T>(load(pass.param, pass.dtype, i));
       T m = static_cast<T>(load(pass.momentum, pass.dtype, i));
       m += weight * (g - m);  // lerp(m, g, 1 - beta)
-      store(pass.momentum, pass.dtype, i, m);
+      store(pass.new_momentum ? pass.new_momentum : pass.momentum, pass.dtype, i, m);
       // Nesterov uses m before it is rounded to the storage dtype, as the GPU kernel does.
       store(pass.update, pass.dtype, i, pass.nesterov ? g + beta * (m - g) : m);
     }
@@ -263,6 +293,7 @@ class CpuBackend final : public Backend {
     }
   }
 
+  alignas(16) unsigned char status_[64] = {};
   std::unique_ptr<void, AlignedFree> workspace_;
   size_t workspace_bytes_ = 0;
   std::vector<float> a_widened_, b_widened_, d_widened_;

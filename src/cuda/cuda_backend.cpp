@@ -32,6 +32,8 @@ class CudaBackend final : public Backend {
     DeviceGuard guard(device_);
     gemm_ = std::make_unique<CublasLtGemm>();
     last_call_done_ = make_timing_free_event();
+    status_ = make_device_memory(kStatusBytes);
+    SHARDMUON_CUDA(cudaMemset(status_.get(), 0, kStatusBytes));
   }
 
   ~CudaBackend() override {
@@ -144,6 +146,21 @@ class CudaBackend final : public Backend {
     update_pass_cuda(param, update, dtype, count, decay, step_size, as_cuda(stream));
   }
 
+  void commit_pass(const CommitPass& pass, Stream stream) override {
+    commit_pass_cuda(pass, as_cuda(stream));
+  }
+
+  void flag_nonfinite(const void* x, shardmuon_dtype dtype, int64_t count, float* flag,
+                      Stream stream) override {
+    flag_nonfinite_cuda(x, dtype, count, flag, as_cuda(stream));
+  }
+
+  void count_if_flagged(const float* flag, int64_t* counter, Stream stream) override {
+    count_if_flagged_cuda(flag, counter, as_cuda(stream));
+  }
+
+  void* persistent_status() override { return status_.get(); }
+
   void copy_to_host(void* host, const void* src, size_t bytes, Stream stream) override {
     if (bytes == 0) return;
     SHARDMUON_CUDA(cudaMemcpyAsync(host, src, bytes, cudaMemcpyDeviceToHost, as_cuda(stream)));
@@ -156,6 +173,10 @@ class CudaBackend final : public Backend {
 
   void synchronize(Stream stream) override {
     SHARDMUON_CUDA(cudaStreamSynchronize(as_cuda(stream)));
+  }
+
+  void wait_for_last_call() override {
+    if (has_last_stream_) SHARDMUON_CUDA(cudaEventSynchronize(last_call_done_.get()));
   }
 
   void shift_diagonal(const void* src, shardmuon_dtype src_type, void* dst,
@@ -183,6 +204,8 @@ class CudaBackend final : public Backend {
   int caller_device_ = 0;
   std::unique_ptr<CublasLtGemm> gemm_;
   UniqueEvent last_call_done_;
+  static constexpr size_t kStatusBytes = 64;
+  UniqueDeviceMemory status_;
   Stream last_stream_ = nullptr;
   bool has_last_stream_ = false;
   void* workspace_ = nullptr;

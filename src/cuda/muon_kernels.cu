@@ -41,10 +41,11 @@ __device__ __forceinline__ __nv_bfloat16 narrow<__nv_bfloat16>(float x) {
 
 // Each thread handles N consecutive elements per access; count is in elements and a multiple
 // of N (the caller runs the remainder with N = 1).
+// momentum_out is momentum itself, or the buffer a checked step commits from later.
 template <typename T, int N, bool kNesterov, bool kL2>
 __global__ void momentum_kernel(const T* __restrict__ grad, const T* __restrict__ param,
-                                T* __restrict__ momentum, T* __restrict__ update, int64_t count,
-                                float beta, float l2_decay) {
+                                const T* momentum, T* momentum_out, T* __restrict__ update,
+                                int64_t count, float beta, float l2_decay) {
   using V = Vector<T, N>;
   const float weight = 1.0f - beta;
   for (int64_t i = (blockIdx.x * int64_t{blockDim.x} + threadIdx.x) * N; i < count;
@@ -63,7 +64,7 @@ __global__ void momentum_kernel(const T* __restrict__ grad, const T* __restrict_
       m_io.values[j] = narrow<T>(m);
       u_out.values[j] = narrow<T>(kNesterov ? fmaf(beta, m - g, g) : m);
     }
-    *reinterpret_cast<V*>(momentum + i) = m_io;
+    *reinterpret_cast<V*>(momentum_out + i) = m_io;
     *reinterpret_cast<V*>(update + i) = u_out;
   }
 }
@@ -84,6 +85,47 @@ __global__ void update_kernel(T* __restrict__ param, const T* __restrict__ updat
   }
 }
 
+// Unless a flag is set: param <- param * decay - step_size * update, momentum <- new_momentum.
+template <typename T, int N>
+__global__ void commit_kernel(T* __restrict__ param, const T* __restrict__ update,
+                              T* __restrict__ momentum, const T* __restrict__ new_momentum,
+                              int64_t count, float decay, float step_size, const float* step_flag,
+                              const float* param_flag, long long* skipped_params) {
+  const bool step_bad = *step_flag != 0.0f, param_bad = *param_flag != 0.0f;
+  if (step_bad || param_bad) {
+    if (!step_bad && skipped_params != nullptr && blockIdx.x == 0 && threadIdx.x == 0) {
+      *skipped_params += 1;
+    }
+    return;
+  }
+  using V = Vector<T, N>;
+  for (int64_t i = (blockIdx.x * int64_t{blockDim.x} + threadIdx.x) * N; i < count;
+       i += int64_t{gridDim.x} * blockDim.x * N) {
+    V w = *reinterpret_cast<const V*>(param + i);
+    const V o = *reinterpret_cast<const V*>(update + i);
+#pragma unroll
+    for (int j = 0; j < N; ++j) {
+      w.values[j] = narrow<T>(fmaf(widen(w.values[j]), decay, -step_size * widen(o.values[j])));
+    }
+    *reinterpret_cast<V*>(param + i) = w;
+    *reinterpret_cast<V*>(momentum + i) = *reinterpret_cast<const V*>(new_momentum + i);
+  }
+}
+
+template <typename T>
+__global__ void flag_nonfinite_kernel(const T* x, int64_t count, float* flag) {
+  bool bad = false;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < count;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    bad |= !isfinite(widen(x[i]));
+  }
+  if (bad) *flag = 1.0f;  // every writer writes the same value
+}
+
+__global__ void count_if_flagged_kernel(const float* flag, long long* counter) {
+  if (*flag != 0.0f) *counter += 1;
+}
+
 unsigned int grid_for(int64_t accesses) {
   // A grid-stride loop over as many blocks as keep every multiprocessor busy.
   const int64_t blocks = (accesses + kThreads - 1) / kThreads;
@@ -100,18 +142,21 @@ void launch_momentum(const MomentumPass& pass, cudaStream_t stream) {
   const T* grad = static_cast<const T*>(pass.grad);
   const T* param = static_cast<const T*>(pass.param);
   T* momentum = static_cast<T*>(pass.momentum);
+  T* momentum_out = pass.new_momentum ? static_cast<T*>(pass.new_momentum) : momentum;
   T* update = static_cast<T*>(pass.update);
   const float beta = static_cast<float>(pass.beta), l2 = static_cast<float>(pass.l2_decay);
-  const bool vectorized = aligned(grad) && aligned(param) && aligned(momentum) && aligned(update);
+  const bool vectorized = aligned(grad) && aligned(param) && aligned(momentum) &&
+                          aligned(momentum_out) && aligned(update);
   const int64_t bulk = vectorized ? pass.count / N * N : 0;
   if (bulk > 0) {
     momentum_kernel<T, N, kNesterov, kL2><<<grid_for(bulk / N), kThreads, 0, stream>>>(
-        grad, param, momentum, update, bulk, beta, l2);
+        grad, param, momentum, momentum_out, update, bulk, beta, l2);
   }
   if (pass.count > bulk) {
     const int64_t rest = pass.count - bulk;
     momentum_kernel<T, 1, kNesterov, kL2><<<grid_for(rest), kThreads, 0, stream>>>(
-        grad + bulk, kL2 ? param + bulk : nullptr, momentum + bulk, update + bulk, rest, beta, l2);
+        grad + bulk, kL2 ? param + bulk : nullptr, momentum + bulk, momentum_out + bulk,
+        update + bulk, rest, beta, l2);
   }
   check_cuda(cudaGetLastError(), "momentum_kernel launch");
 }
@@ -146,7 +191,60 @@ void launch_update(void* param_bytes, const void* update_bytes, int64_t count, f
   check_cuda(cudaGetLastError(), "update_kernel launch");
 }
 
+template <typename T>
+void launch_commit(const CommitPass& pass, cudaStream_t stream) {
+  constexpr int N = kVectorBytes / sizeof(T);
+  T* param = static_cast<T*>(pass.param);
+  const T* update = static_cast<const T*>(pass.update);
+  T* momentum = static_cast<T*>(pass.momentum);
+  const T* new_momentum = static_cast<const T*>(pass.new_momentum);
+  long long* counter = reinterpret_cast<long long*>(pass.skipped_params);
+  const float decay = static_cast<float>(pass.decay), step = static_cast<float>(pass.step_size);
+  const bool vectorized =
+      aligned(param) && aligned(update) && aligned(momentum) && aligned(new_momentum);
+  const int64_t bulk = vectorized ? pass.count / N * N : 0;
+  // One launch counts a skipped parameter; the remainder's launch does not count it again.
+  if (bulk > 0) {
+    commit_kernel<T, N><<<grid_for(bulk / N), kThreads, 0, stream>>>(
+        param, update, momentum, new_momentum, bulk, decay, step, pass.step_flag, pass.param_flag,
+        counter);
+  }
+  if (pass.count > bulk || pass.count == 0) {
+    commit_kernel<T, 1><<<grid_for(pass.count - bulk), kThreads, 0, stream>>>(
+        param + bulk, update + bulk, momentum + bulk, new_momentum + bulk, pass.count - bulk, decay,
+        step, pass.step_flag, pass.param_flag, bulk > 0 ? nullptr : counter);
+  }
+  check_cuda(cudaGetLastError(), "commit_kernel launch");
+}
+
 }  // namespace
+
+void commit_pass_cuda(const CommitPass& pass, cudaStream_t stream) {
+  switch (pass.dtype) {
+    case SHARDMUON_FLOAT32: launch_commit<float>(pass, stream); return;
+    case SHARDMUON_BFLOAT16: launch_commit<__nv_bfloat16>(pass, stream); return;
+    case SHARDMUON_FLOAT64: break;
+  }
+  fail(SHARDMUON_ERROR_INTERNAL, "commit_pass_cuda: unsupported dtype");
+}
+
+void flag_nonfinite_cuda(const void* x, shardmuon_dtype dtype, int64_t count, float* flag,
+                         cudaStream_t stream) {
+  if (count == 0) return;
+  if (dtype == SHARDMUON_BFLOAT16) {
+    flag_nonfinite_kernel<<<grid_for(count), kThreads, 0, stream>>>(
+        static_cast<const __nv_bfloat16*>(x), count, flag);
+  } else {
+    flag_nonfinite_kernel<<<grid_for(count), kThreads, 0, stream>>>(static_cast<const float*>(x),
+                                                                    count, flag);
+  }
+  check_cuda(cudaGetLastError(), "flag_nonfinite_kernel launch");
+}
+
+void count_if_flagged_cuda(const float* flag, int64_t* counter, cudaStream_t stream) {
+  count_if_flagged_kernel<<<1, 1, 0, stream>>>(flag, reinterpret_cast<long long*>(counter));
+  check_cuda(cudaGetLastError(), "count_if_flagged_kernel launch");
+}
 
 void momentum_pass_cuda(const MomentumPass& pass, cudaStream_t stream) {
   if (pass.count == 0) return;

@@ -8,6 +8,10 @@
 namespace shardmuon {
 
 void momentum_pass_cuda(const MomentumPass& pass, cudaStream_t stream);
+void commit_pass_cuda(const CommitPass& pass, cudaStream_t stream);
+void flag_nonfinite_cuda(const void* x, shardmuon_dtype dtype, int64_t count, float* flag,
+                         cudaStream_t stream);
+void count_if_flagged_cuda(const float* flag, int64_t* counter, cudaStream_t stream);
 void update_pass_cuda(void* param, const void* update, shardmuon_dtype dtype, int64_t count,
                       double decay, double step_size, cudaStream_t stream);
 

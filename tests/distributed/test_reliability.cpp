@@ -3,6 +3,8 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cmath>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -73,6 +75,182 @@ TEST_F(Reliability, TimeoutArgumentIsChecked) {
             std::string::npos);
   EXPECT_EQ(shardmuon_comm_set_timeout(comm, 0.0), SHARDMUON_SUCCESS);
   shardmuon_comm_destroy(comm);
+}
+
+}  // namespace
+}  // namespace shardmuon_test
+
+namespace shardmuon_test {
+namespace {
+
+// Two parameters, sharded, in two groups; the second group's schedule can be made to
+// overflow (a huge coefficient), to produce a non-finite update from finite gradients.
+struct NonFiniteCase {
+  std::vector<Buffer> w, g, m;
+  std::vector<std::vector<unsigned char>> w0, m0;
+  std::vector<shardmuon_muon_param> params;
+  std::vector<shardmuon_muon_group> groups;
+  std::vector<double> overflow = {1e30, 0, 0, 1e30, 0, 0};
+  std::vector<std::vector<int64_t>> sizes;
+
+  NonFiniteCase(const Group& group, bool overflowing_second, double poison_value,
+                bool poison_rank) {
+    const int64_t shapes[2][2] = {{19, 33}, {28, 16}};
+    groups.resize(2);
+    shardmuon_muon_group_default(&groups[0]);
+    shardmuon_muon_group_default(&groups[1]);
+    groups[0].lr = groups[1].lr = 0.05;
+    if (overflowing_second) {
+      groups[1].ns.schedule = SHARDMUON_SCHEDULE_CUSTOM;
+      groups[1].ns.num_iterations = 2;
+      groups[1].ns.custom_coefficients = overflow.data();
+      groups[1].ns.num_custom_coefficients = 2;
+    }
+    for (int i = 0; i < 2; ++i) {
+      sizes.push_back(balanced_sizes(shapes[i][1], group.size));
+      const Matrix weight = random_gaussian(shapes[i][0], shapes[i][1], 50 + i);
+      const Matrix grad = random_gaussian(shapes[i][0], shapes[i][1], 60 + i);
+      const Matrix momentum = random_gaussian(shapes[i][0], shapes[i][1], 70 + i);
+      std::vector<double> g_shard =
+          extract_shard(grad, SHARDMUON_SHARDED_DIM1, sizes[i], group.rank);
+      if (i == 0 && poison_rank && !g_shard.empty()) g_shard[g_shard.size() / 2] = poison_value;
+      w0.push_back(to_bytes(extract_shard(weight, SHARDMUON_SHARDED_DIM1, sizes[i], group.rank),
+                            SHARDMUON_FLOAT32));
+      m0.push_back(to_bytes(extract_shard(momentum, SHARDMUON_SHARDED_DIM1, sizes[i], group.rank),
+                            SHARDMUON_FLOAT32));
+      w.push_back(Harness::get().upload(w0.back()));
+      g.push_back(Harness::get().upload(to_bytes(g_shard, SHARDMUON_FLOAT32)));
+      m.push_back(Harness::get().upload(m0.back()));
+    }
+    for (int i = 0; i < 2; ++i) {
+      shardmuon_muon_param p{};
+      p.param = w[i].data();
+      p.grad = g[i].data();
+      p.momentum = m[i].data();
+      p.dtype = SHARDMUON_FLOAT32;
+      p.layout = shardmuon_layout{shapes[i][0], shapes[i][1], SHARDMUON_SHARDED_DIM1, group.size,
+                                  sizes[i].data()};
+      p.group = i;
+      params.push_back(p);
+    }
+  }
+  shardmuon_status step(const Group& group) {
+    return shardmuon_muon_step(Harness::get().context(), group.comm, params.data(), 2,
+                               groups.data(), 2, Harness::get().stream());
+  }
+  bool unchanged(int i) const {
+    return Harness::get().download(w[i]) == w0[i] && Harness::get().download(m[i]) == m0[i];
+  }
+  bool all_finite(int i) const {
+    for (double v : from_bytes(Harness::get().download(w[i]), SHARDMUON_FLOAT32)) {
+      if (!std::isfinite(v)) return false;
+    }
+    return true;
+  }
+};
+
+void counts(int64_t& steps, int64_t& params) {
+  ASSERT_EQ(shardmuon_context_nonfinite_counts(Harness::get().context(), &steps, &params),
+            SHARDMUON_SUCCESS)
+      << shardmuon_last_error();
+}
+
+class NonFinite : public DistributedTest {
+ protected:
+  void TearDown() override {
+    shardmuon_context_set_nonfinite_policy(Harness::get().context(), SHARDMUON_NONFINITE_SKIP);
+    DistributedTest::TearDown();
+  }
+};
+
+TEST_F(NonFinite, ANonFiniteGradientOnOneRankSkipsTheStepEverywhere) {
+  const Group& group = Harness::get().group(Harness::get().max_group_size());
+  if (!group.member) return;
+  for (double poison : {std::nan(""), std::numeric_limits<double>::infinity()}) {
+    int64_t steps0, params0, steps1, params1;
+    counts(steps0, params0);
+    NonFiniteCase c(group, false, poison, group.rank == group.size - 1);
+    EXPECT_EQ(c.step(group), SHARDMUON_SUCCESS) << shardmuon_last_error();
+    EXPECT_TRUE(c.unchanged(0) && c.unchanged(1)) << "poison " << poison;
+    counts(steps1, params1);
+    EXPECT_EQ(steps1, steps0 + 1);
+    EXPECT_EQ(params1, params0);
+  }
+}
+
+TEST_F(NonFinite, ANonFiniteUpdateSkipsOnlyItsParameter) {
+  const Group& group = Harness::get().group(Harness::get().max_group_size());
+  if (!group.member) return;
+  int64_t steps0, params0, steps1, params1;
+  counts(steps0, params0);
+  NonFiniteCase c(group, /*overflowing_second=*/true, 0.0, false);
+  EXPECT_EQ(c.step(group), SHARDMUON_SUCCESS) << shardmuon_last_error();
+  EXPECT_FALSE(c.unchanged(0));  // the healthy parameter was updated
+  EXPECT_TRUE(c.all_finite(0));
+  EXPECT_TRUE(c.unchanged(1));  // the overflowing one was not
+  counts(steps1, params1);
+  EXPECT_EQ(steps1, steps0);
+  EXPECT_EQ(params1, params0 + 1);
+}
+
+TEST_F(NonFinite, RaiseReportsAndWritesNothing) {
+  const Group& group = Harness::get().group(Harness::get().max_group_size());
+  if (!group.member) return;
+  ASSERT_EQ(
+      shardmuon_context_set_nonfinite_policy(Harness::get().context(), SHARDMUON_NONFINITE_RAISE),
+      SHARDMUON_SUCCESS);
+  NonFiniteCase c(group, false, std::nan(""), group.rank == 0);
+  EXPECT_EQ(c.step(group), SHARDMUON_ERROR_NON_FINITE);
+  EXPECT_NE(std::string(shardmuon_last_error()).find("skipped on every rank"), std::string::npos)
+      << shardmuon_last_error();
+  EXPECT_TRUE(c.unchanged(0) && c.unchanged(1));
+  NonFiniteCase d(group, true, 0.0, false);
+  EXPECT_EQ(d.step(group), SHARDMUON_ERROR_NON_FINITE);
+  EXPECT_NE(std::string(shardmuon_last_error()).find("params[1]"), std::string::npos)
+      << shardmuon_last_error();
+  EXPECT_TRUE(d.unchanged(1));
+  EXPECT_FALSE(d.unchanged(0));
+}
+
+TEST_F(NonFinite, ProceedWritesThroughAndOtherwiseMatchesSkip) {
+  const Group& group = Harness::get().group(Harness::get().max_group_size());
+  if (!group.member) return;
+  NonFiniteCase skip(group, false, 0.0, false);
+  ASSERT_EQ(skip.step(group), SHARDMUON_SUCCESS);
+  ASSERT_EQ(
+      shardmuon_context_set_nonfinite_policy(Harness::get().context(), SHARDMUON_NONFINITE_PROCEED),
+      SHARDMUON_SUCCESS);
+  NonFiniteCase proceed(group, false, 0.0, false);
+  ASSERT_EQ(proceed.step(group), SHARDMUON_SUCCESS);
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_EQ(Harness::get().download(skip.w[i]), Harness::get().download(proceed.w[i]));
+    EXPECT_EQ(Harness::get().download(skip.m[i]), Harness::get().download(proceed.m[i]));
+  }
+  NonFiniteCase poisoned(group, false, std::nan(""), true);
+  ASSERT_EQ(poisoned.step(group), SHARDMUON_SUCCESS);
+  EXPECT_FALSE(poisoned.all_finite(0));  // as documented: no check
+}
+
+// Zero and tiny gradients give finite updates (eps bounds the normalization).
+TEST_F(NonFinite, ZeroAndTinyGradientsGiveFiniteUpdates) {
+  const Group& group = Harness::get().group(Harness::get().max_group_size());
+  if (!group.member) return;
+  for (double scale : {0.0, 1e-30, 1e-40}) {
+    NonFiniteCase c(group, false, 0.0, false);
+    for (int i = 0; i < 2; ++i) {
+      std::vector<double> tiny = from_bytes(Harness::get().download(c.g[i]), SHARDMUON_FLOAT32);
+      for (double& v : tiny) v *= scale;
+      c.g[i] = Harness::get().upload(to_bytes(tiny, SHARDMUON_FLOAT32));
+      c.params[i].grad = c.g[i].data();
+    }
+    int64_t steps0, params0, steps1, params1;
+    counts(steps0, params0);
+    EXPECT_EQ(c.step(group), SHARDMUON_SUCCESS) << shardmuon_last_error();
+    EXPECT_TRUE(c.all_finite(0) && c.all_finite(1)) << "scale " << scale;
+    counts(steps1, params1);
+    EXPECT_EQ(steps1, steps0);
+    EXPECT_EQ(params1, params0);
+  }
 }
 
 }  // namespace
