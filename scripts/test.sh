@@ -37,6 +37,52 @@ if SHARDMUON_LIBRARY="$root/build/libshardmuon.so" /usr/bin/python3 -m pytest -q
     "$root/python/tests" 2>&1 | tee "$root/build/pytest.log"; then :; else status=1; fi
 summary+=("python tests: $(grep -E '[0-9]+ (passed|failed)' "$root/build/pytest.log" | tail -1)")
 
+# AddressSanitizer + UndefinedBehaviorSanitizer over the CPU suites. LeakSanitizer runs on the
+# single-process binary (with the 10,000-step soak test); under MPI it is off, since Open MPI's
+# unloaded components leave reports no suppression can name (docs/RELIABILITY.md).
+{
+  echo "== sanitizers"
+  asan="$root/build-asan"
+  SHARDMUON_BUILD_DIR="$asan" "$root/scripts/build.sh" -DSHARDMUON_WITH_CUDA=OFF \
+    -DSHARDMUON_SANITIZE=address,undefined -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+  export UBSAN_OPTIONS=print_stacktrace=1
+  sanitizer_status=0
+  ASAN_OPTIONS=detect_leaks=1 "$asan/tests/shardmuon_single_tests" --gtest_brief=1 \
+    >"$asan/single.log" 2>&1 || sanitizer_status=1
+  for ranks in 2 4; do
+    ASAN_OPTIONS=detect_leaks=0 mpirun --oversubscribe $([[ $(id -u) -eq 0 ]] && echo --allow-run-as-root) \
+      -np $ranks -x ASAN_OPTIONS -x UBSAN_OPTIONS -x OPENBLAS_NUM_THREADS \
+      "$asan/tests/shardmuon_tests" --gtest_brief=1 >"$asan/ranks$ranks.log" 2>&1 || sanitizer_status=1
+  done
+  if grep -hE "ERROR: (Address|Leak)Sanitizer|runtime error" "$asan"/*.log; then sanitizer_status=1; fi
+  if ((sanitizer_status)); then status=1; fi
+  summary+=("sanitizers (ASan+UBSan, LSan single-process): $( ((sanitizer_status)) && echo FAILED || echo clean); $(sed 's/\x1b\[[0-9;]*m//g' "$asan"/*.log | grep -E '^\[  PASSED  \]' | awk '{n += $4} END {print n}') cases passed")
+}
+
+# libFuzzer (clang): the C API's argument validation and the checkpoint reader, each for
+# $SHARDMUON_FUZZ_SECONDS (default 60) from the corpus in tests/fuzz/corpus.
+if command -v clang++ >/dev/null 2>&1; then
+  echo "== fuzzers"
+  fuzz="$root/build-fuzz"
+  mkdir -p "$fuzz"
+  CC=clang CXX=clang++ cmake -S "$root" -B "$fuzz" -G Ninja -DSHARDMUON_WITH_CUDA=OFF \
+    -DSHARDMUON_WITH_MPI=OFF -DSHARDMUON_BUILD_FUZZERS=ON -DSHARDMUON_BUILD_EXAMPLES=OFF \
+    -DSHARDMUON_SANITIZE=address,undefined,fuzzer-no-link -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+    -DSHARDMUON_WARNINGS_AS_ERRORS=ON >"$fuzz/configure.log" 2>&1 && cmake --build "$fuzz" >/dev/null
+  for target in api checkpoint; do
+    work="$fuzz/corpus-$target"
+    mkdir -p "$work"
+    if (cd "$fuzz" && "./tests/fuzz/fuzz_$target" -max_total_time="${SHARDMUON_FUZZ_SECONDS:-60}" \
+          "$work" "$root/tests/fuzz/corpus/$target" >"$fuzz/$target.log" 2>&1); then
+      summary+=("fuzz_$target: $(grep -oE 'Done [0-9]+ runs in [0-9]+ second' "$fuzz/$target.log"), no crash")
+    else
+      tail -30 "$fuzz/$target.log"
+      summary+=("fuzz_$target: FAILED (see $fuzz/$target.log and the crash-* input there)")
+      status=1
+    fi
+  done
+fi
+
 # A formatted tree (the checked-in .clang-format), where clang-format is installed.
 if command -v clang-format >/dev/null 2>&1; then
   if (cd "$root" && git ls-files '*.h' '*.hpp' '*.cpp' '*.cu' '*.cuh' |

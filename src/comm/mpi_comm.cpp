@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <climits>
+#include <memory>
 #include <string>
 #include <thread>
 
@@ -49,7 +50,10 @@ class MpiCommunicator final : public Communicator {
     if (pending_ != MPI_REQUEST_NULL) {
       int done = 0;
       MPI_Test(&pending_, &done, MPI_STATUS_IGNORE);
-      if (!done) return;
+      if (!done) {
+        exchange_.release();  // MPI may still write the late result into it
+        return;
+      }
     }
     MPI_Comm_free(&comm_);
   }
@@ -104,10 +108,11 @@ class MpiCommunicator final : public Communicator {
   // timeout the collective stays pending (MPI cannot cancel it) and may complete later.
   void agree_max(int64_t* values, int count) override {
     if (count > kMaxAgreementValues) fail(SHARDMUON_ERROR_INTERNAL, "too many agreement values");
-    std::copy(values, values + count, exchange_);
+    std::copy(values, values + count, exchange_.get());
     MPI_Request request;
-    check_mpi(MPI_Iallreduce(MPI_IN_PLACE, exchange_, count, MPI_INT64_T, MPI_MAX, comm_, &request),
-              "MPI_Iallreduce (argument check)");
+    check_mpi(
+        MPI_Iallreduce(MPI_IN_PLACE, exchange_.get(), count, MPI_INT64_T, MPI_MAX, comm_, &request),
+        "MPI_Iallreduce (argument check)");
     const auto start = std::chrono::steady_clock::now();
     auto pause = std::chrono::microseconds(2);
     for (int done = 0;;) {
@@ -122,12 +127,13 @@ class MpiCommunicator final : public Communicator {
       std::this_thread::sleep_for(pause);
       pause = std::min(pause * 2, std::chrono::microseconds(1000));
     }
-    std::copy(exchange_, exchange_ + count, values);
+    std::copy(exchange_.get(), exchange_.get() + count, values);
   }
 
  private:
   static constexpr int kMaxAgreementValues = 16;
-  int64_t exchange_[kMaxAgreementValues] = {};
+  // On the heap, so that it can outlive this object if a timed-out exchange is still pending.
+  std::unique_ptr<int64_t[]> exchange_ = std::make_unique<int64_t[]>(kMaxAgreementValues);
   MPI_Request pending_ = MPI_REQUEST_NULL;
   MPI_Comm comm_ = MPI_COMM_NULL;
   int rank_ = 0, size_ = 1;

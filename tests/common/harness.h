@@ -59,6 +59,8 @@ class Harness {
   const Group& group(int size) const { return groups_.at(size - 1); }
   shardmuon_context_t context() const { return context_; }
   void* stream() const { return stream_; }
+  // The NCCL communicator under group(size) (CUDA runs only).
+  void* nccl_comm(int size) const { return nccl_groups_.at(size - 1); }
 
   // Copies to and from the backend's memory; waits for the stream first.
   Buffer upload(const std::vector<unsigned char>& bytes) const;
