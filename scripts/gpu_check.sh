@@ -13,7 +13,7 @@ export PATH="/opt/torch/.venv/bin:$PATH:/usr/local/cuda/bin" OPENBLAS_NUM_THREAD
 export SHARDMUON_TEST_REPORT_ERRORS=1  # the tests print each case's error and tolerance
 mpi=(mpirun --allow-run-as-root --oversubscribe -x NCCL_NVLS_ENABLE -x TORCH_SYMM_MEM_DISABLE_MULTICAST
      -x NVSHMEM_DISABLE_NVLS -x OPENBLAS_NUM_THREADS -x SHARDMUON_TEST_REPORT_ERRORS)
-what="${1:-all}"  # all | tests | torch
+what="${1:-all}"  # all | tests | torch | final
 gpus=$(nvidia-smi -L | wc -l)
 nvidia-smi -L
 echo "gpus: $gpus"
@@ -45,6 +45,33 @@ if [[ "$what" == "diagnose" ]]; then
   export SHARDMUON_LIBRARY="$root/$build/libshardmuon.so"
   cuda-gdb -batch -ex run -ex bt -ex "info sharedlibrary cublas" --args python3 python/tests/gpu/diagnose.py 2>&1 |
     grep -vE "^\[New Thread|^\[Thread|^  loaded" | tail -45
+  exit 0
+fi
+if [[ "$what" == "final" ]]; then
+  # The CUDA tests on 1 and 2 GPUs; compute-sanitizer memcheck, racecheck and synccheck over a
+  # cross-section; the PyTorch front end's checks.
+  for ranks in 1 2; do
+    log="$out/tests_np$ranks.log"
+    timeout 240 "${mpi[@]}" -np $ranks $build/tests/shardmuon_tests --backend=cuda --gtest_brief=1 >"$log" 2>&1
+    rc=$?
+    grep -E "^\[rank|Failure|FAILED" "$log" | head -20
+    results+=("cuda tests on $ranks GPU(s): rc=$rc $(grep -E 'PASSED|FAILED  \]|SKIPPED \]' "$log" | sed 's/\x1b\[[0-9;]*m//g' | tr '\n' ' ')")
+  done
+  filter='*Layouts*67x131*dim1*P1*:*Schedules*quintic5*P1:NonFinite.*:MuonStepB*:Checkpoint.LoadsOn*'
+  for tool in memcheck racecheck synccheck; do
+    log="$out/$tool.log"
+    timeout 150 "${mpi[@]}" -np 1 compute-sanitizer --tool $tool --report-api-errors no --error-exitcode 3 \
+      $build/tests/shardmuon_tests --backend=cuda --gtest_brief=1 --gtest_filter="$filter" >"$log" 2>&1
+    rc=$?
+    results+=("$tool (1 GPU): rc=$rc $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$log" | tail -1) $(grep -E 'PASSED|FAILED  \]' "$log" | sed 's/\x1b\[[0-9;]*m//g' | tr '\n' ' ')")
+  done
+  export SHARDMUON_LIBRARY="$root/$build/libshardmuon.so"
+  timeout 150 torchrun --nproc_per_node=2 python/tests/gpu/check_torch_gpu.py >"$out/torch_2.log" 2>&1
+  timeout 90 python3 python/tests/gpu/check_torch_gpu.py >"$out/torch_1.log" 2>&1
+  grep -hE "FAIL|torch.optim.Muon" "$out"/torch_*.log | head -12
+  results+=("$(grep -h 'torch GPU checks' "$out"/torch_*.log | tr '\n' ' ')")
+  printf '%s\n' "${results[@]}"
+  mv "$out/configure.log" "$out/build.log" "$build/" 2>/dev/null
   exit 0
 fi
 if [[ "$what" == "torch" ]]; then
