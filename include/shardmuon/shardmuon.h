@@ -264,8 +264,8 @@ SHARDMUON_API shardmuon_status shardmuon_comm_create_callbacks(
 
 /* How long a collective call waits, in its argument exchange (the first thing every collective
  * call does), for the other ranks to join: after that it returns SHARDMUON_ERROR_TIMEOUT on the
- * ranks that did join, and the handle is unusable (destroy it; for NCCL its private
- * communicator is aborted, the caller's is not touched). 0 waits forever. The default is 300
+ * ranks that did join, and the handle is unusable (destroy it; the caller's communicator is not
+ * touched). 0 waits forever. The default is 300
  * seconds, or $SHARDMUON_TIMEOUT_SECONDS when set. Once every rank has joined, the ranks agree
  * on every argument, so the call's collectives match; a rank that dies during them is left to
  * the caller's NCCL watchdog (PyTorch's, for example). Callback communicators time out in the

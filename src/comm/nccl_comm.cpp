@@ -50,6 +50,18 @@ class NcclCommunicator final : public Communicator {
     check_host_ = make_pinned_memory(kMaxAgreementValues * sizeof(int64_t));
   }
 
+  ~NcclCommunicator() override {
+    // After a timeout the private all-reduce may still be waiting for a late rank: destroying
+    // its communicator or freeing its buffers would block on it, so they are then left to the
+    // process (a few bytes, one communicator).
+    if (timed_out_ && cudaStreamQuery(check_stream_.get()) == cudaErrorNotReady) {
+      check_comm_.release();
+      check_stream_.release();
+      check_device_.release();
+      check_host_.release();
+    }
+  }
+
   const char* kind_name() const override { return "nccl"; }
   int rank() const override { return rank_; }
   int size() const override { return size_; }
@@ -119,8 +131,10 @@ class NcclCommunicator final : public Communicator {
       const double waited =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       if (timeout_seconds() > 0 && waited > timeout_seconds()) {
-        // Abort the private communicator: its pending all-reduce stops, the caller's is untouched.
-        ncclCommAbort(check_comm_.release());
+        // Give up without calling anything that could block: the private all-reduce stays
+        // pending (a late rank's exchange can still complete it) and the destructor releases
+        // the private resources only if it has. The caller's communicator is untouched.
+        timed_out_ = true;
         fail_timeout("NCCL", waited);
       }
       std::this_thread::sleep_for(pause);
@@ -132,6 +146,7 @@ class NcclCommunicator final : public Communicator {
  private:
   ncclComm_t comm_ = nullptr;  // the caller's, borrowed
   // Private to agree_max. Declared in creation order so they are released in reverse.
+  bool timed_out_ = false;
   UniqueNcclComm check_comm_;
   UniqueStream check_stream_;
   UniqueDeviceMemory check_device_;

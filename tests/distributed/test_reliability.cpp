@@ -17,8 +17,6 @@ namespace {
 
 class Reliability : public DistributedTest {};
 
-// With NCCL, the ranks that time out abort their private communicator, so the late rank's own
-// exchange cannot complete either: it times out too.
 TEST_F(Reliability, ARankThatNeverCallsEndsInATimeoutOnTheOthers) {
   for (int p = 2; p <= Harness::get().max_group_size(); ++p) {
     const Group& group = Harness::get().group(p);
@@ -67,7 +65,7 @@ TEST_F(Reliability, ARankThatNeverCallsEndsInATimeoutOnTheOthers) {
       EXPECT_EQ(
           shardmuon_newton_schulz(Harness::get().context(), comm, buffer.data(), SHARDMUON_FLOAT32,
                                   &layout, &options, Harness::get().stream()),
-          Harness::get().on_gpu() ? SHARDMUON_ERROR_TIMEOUT : SHARDMUON_ERROR_INVALID_ARGUMENT)
+          SHARDMUON_ERROR_INVALID_ARGUMENT)
           << shardmuon_last_error();
     }
     EXPECT_EQ(shardmuon_comm_destroy(comm), SHARDMUON_SUCCESS);
