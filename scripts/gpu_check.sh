@@ -59,7 +59,8 @@ if [[ "$what" == "final" ]]; then
     results+=("cuda tests on $ranks GPU(s): rc=$rc $(grep -E 'PASSED|FAILED  \]|SKIPPED \]' "$log" | sed 's/\x1b\[[0-9;]*m//g' | tr '\n' ' ')")
   done
   # The injected fault on its own (one rank never calls; NCCL), bounded in case an abort hangs.
-  timeout 60 "${mpi[@]}" -np 2 $build/tests/shardmuon_tests --backend=cuda --gtest_brief=1 \
+  SHARDMUON_TEST_NCCL_TIMEOUT=1 timeout 60 "${mpi[@]}" -x SHARDMUON_TEST_NCCL_TIMEOUT -np 2 \
+    $build/tests/shardmuon_tests --backend=cuda --gtest_brief=1 \
     --gtest_filter='Reliability.ARankThatNeverCalls*' >"$out/timeout.log" 2>&1
   rc=$?
   grep -E "^\[rank|Failure" "$out/timeout.log" | head -10
