@@ -48,6 +48,14 @@ class NcclCommunicator final : public Communicator {
     check_stream_ = make_nonblocking_stream();
     check_device_ = make_device_memory(kMaxAgreementValues * sizeof(int64_t));
     check_host_ = make_pinned_memory(kMaxAgreementValues * sizeof(int64_t));
+    // NCCL sets up a communicator's connections at its first collective, inside the enqueue
+    // call, blocking until the peers join. Do that now, while creation has every rank here, so
+    // that a later exchange only enqueues and the timeout in agree_max can take effect.
+    int64_t warm_up = 0;
+    const double timeout = timeout_seconds();
+    set_timeout(0);
+    agree_max(&warm_up, 1);
+    set_timeout(timeout);
   }
 
   ~NcclCommunicator() override {
