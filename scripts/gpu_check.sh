@@ -39,14 +39,6 @@ cmake --build $build --parallel "$(nproc)" >"$out/build.log" 2>&1 || { grep -E "
 echo "build: $(( $(date +%s) - start )) s"
 
 results=()
-if [[ "$what" == "diagnose" ]]; then
-  grep -E "CMAKE_CXX_COMPILER:" $build/CMakeCache.txt
-  readelf -d $build/libshardmuon.so | grep -iE "symbolic" || echo "no SYMBOLIC in the dynamic section"
-  export SHARDMUON_LIBRARY="$root/$build/libshardmuon.so"
-  cuda-gdb -batch -ex run -ex bt -ex "info sharedlibrary cublas" --args python3 python/tests/gpu/diagnose.py 2>&1 |
-    grep -vE "^\[New Thread|^\[Thread|^  loaded" | tail -45
-  exit 0
-fi
 if [[ "$what" == "final" ]]; then
   # The CUDA tests on 1 and 2 GPUs; compute-sanitizer memcheck, racecheck and synccheck over a
   # cross-section; the PyTorch front end's checks.

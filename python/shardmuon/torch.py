@@ -255,7 +255,11 @@ class Muon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._muon_step()
+        self._other_steps()
         return loss
+
+    def _other_steps(self):
+        """What a subclass steps besides the Muon groups (MuonWithAdamW: its AdamW groups)."""
 
     def _muon_step(self):
         entries = self._collect()
@@ -350,20 +354,13 @@ class MuonWithAdamW(Muon):
         self._adam.state = self.state
         self._adam_groups = [g for g in self.param_groups if not g["use_muon"]]
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self._muon_step()
+    def _other_steps(self):
         for ours, theirs in zip(self._adam_groups, self._adam.param_groups):
             theirs["lr"] = ours["lr"]
             theirs["weight_decay"] = ours["weight_decay"]
             theirs["betas"] = ours["betas"]
             theirs["eps"] = ours["adamw_eps"]
         self._adam.step()
-        return loss
 
     def load_state_dict(self, state_dict):
         super().load_state_dict(state_dict)

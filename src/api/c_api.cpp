@@ -352,8 +352,7 @@ shardmuon_status shardmuon_newton_schulz(shardmuon_context_t context, shardmuon_
     shardmuon::Communicator& group = shardmuon::communicator_of(comm, "comm");
     shardmuon::ValidatedNsCall call;
     std::optional<shardmuon::BackendCallScope> scope;
-    std::exception_ptr local_error;
-    try {
+    const std::exception_ptr local_error = shardmuon::capture_local_failure([&] {
       call = shardmuon::validate_ns_call(context, group, local_shard, dtype, layout, options);
       // Grow the workspace now, so that running out of memory is this rank's validation
       // failure, reported to every rank, rather than a failure after the others have
@@ -362,12 +361,7 @@ shardmuon_status shardmuon_newton_schulz(shardmuon_context_t context, shardmuon_
       call.backend->workspace(shardmuon::newton_schulz_workspace_bytes(*call.backend, call.problem,
                                                                        group.rank(), group.size()),
                               stream);
-    } catch (const shardmuon::Failure&) {
-      local_error = std::current_exception();
-    } catch (const std::bad_alloc&) {
-      local_error = std::make_exception_ptr(shardmuon::Failure(
-          SHARDMUON_ERROR_OUT_OF_MEMORY, "out of host memory for the workspace"));
-    }
+    });
     shardmuon::agree_across_ranks(group, local_error, call.digest, call.description);
     shardmuon::run_newton_schulz(*call.backend, group, call.problem, local_shard, stream);
   });

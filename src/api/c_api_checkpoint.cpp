@@ -45,13 +45,10 @@ template <typename Validate, typename Run>
 void run_checkpoint_call(Communicator& comm, void* stream, Validate&& validate, Run&& run) {
   ValidatedCheckpointCall call;
   std::optional<BackendCallScope> scope;
-  std::exception_ptr local_error;
-  try {
+  const std::exception_ptr local_error = capture_local_failure([&] {
     call = validate();
     scope.emplace(*call.backend, stream);
-  } catch (const Failure&) {
-    local_error = std::current_exception();
-  }
+  });
   agree_across_ranks(comm, local_error, call.digest, call.params.description);
   run(call);
 }

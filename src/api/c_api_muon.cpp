@@ -38,8 +38,7 @@ shardmuon_status shardmuon_muon_step(shardmuon_context_t context, shardmuon_comm
     shardmuon::Backend* backend = nullptr;
     shardmuon::ValidatedMuonStep step;
     std::optional<shardmuon::BackendCallScope> scope;
-    std::exception_ptr local_error;
-    try {
+    const std::exception_ptr local_error = shardmuon::capture_local_failure([&] {
       backend = &shardmuon::backend_of(context, "context");
       group.check_compatible(*backend);
       step = shardmuon::validate_muon_step(*backend, group, params, num_params, groups, num_groups);
@@ -49,12 +48,7 @@ shardmuon_status shardmuon_muon_step(shardmuon_context_t context, shardmuon_comm
       backend->workspace(shardmuon::muon_step_workspace_bytes(
                              *backend, step, group.rank(), group.size(), context->nonfinite_policy),
                          stream);
-    } catch (const shardmuon::Failure&) {
-      local_error = std::current_exception();
-    } catch (const std::bad_alloc&) {
-      local_error = std::make_exception_ptr(shardmuon::Failure(
-          SHARDMUON_ERROR_OUT_OF_MEMORY, "out of host memory for the workspace"));
-    }
+    });
     shardmuon::agree_across_ranks(group, local_error, step.digest, step.description);
     shardmuon::run_muon_step(*backend, group, step, stream, context->nonfinite_policy);
   });

@@ -8,9 +8,11 @@
 #include <cstdint>
 #include <cstring>
 #include <exception>
+#include <new>
 #include <string>
 
 #include "comm/communicator.h"
+#include "core/error.h"
 
 namespace shardmuon {
 
@@ -34,6 +36,22 @@ class Digest {
  private:
   uint64_t hash_ = 14695981039346656037ull;
 };
+
+// Runs this rank's part of a phase (validation, growing the workspace, writing a file) and
+// returns its failure for agree_across_ranks instead of throwing, so that a rank that failed
+// still joins the exchange; running out of host memory counts as OUT_OF_MEMORY.
+template <typename Phase>
+std::exception_ptr capture_local_failure(Phase&& phase) {
+  try {
+    phase();
+  } catch (const Failure&) {
+    return std::current_exception();
+  } catch (const std::bad_alloc&) {
+    return std::make_exception_ptr(
+        Failure(SHARDMUON_ERROR_OUT_OF_MEMORY, "out of host memory on this rank"));
+  }
+  return nullptr;
+}
 
 // Every rank of comm calls this. local_error is the exception of this rank's validation,
 // or null. Returns normally when every rank validated and the digests agree; otherwise

@@ -55,4 +55,24 @@ inline float bf16_bits_to_float(uint16_t bits) {
   return value;
 }
 
+// Element i of a host buffer of dtype, widened to double, and stored back (rounded once).
+inline double load_element(const void* data, shardmuon_dtype dtype, int64_t i) {
+  switch (dtype) {
+    case SHARDMUON_FLOAT32: return static_cast<const float*>(data)[i];
+    case SHARDMUON_BFLOAT16: return bf16_bits_to_float(static_cast<const uint16_t*>(data)[i]);
+    case SHARDMUON_FLOAT64: return static_cast<const double*>(data)[i];
+  }
+  return 0;
+}
+
+inline void store_element(void* data, shardmuon_dtype dtype, int64_t i, double value) {
+  switch (dtype) {
+    case SHARDMUON_FLOAT32: static_cast<float*>(data)[i] = static_cast<float>(value); return;
+    case SHARDMUON_BFLOAT16:
+      static_cast<uint16_t*>(data)[i] = float_to_bf16_bits(static_cast<float>(value));
+      return;
+    case SHARDMUON_FLOAT64: static_cast<double*>(data)[i] = value; return;
+  }
+}
+
 }  // namespace shardmuon

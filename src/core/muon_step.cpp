@@ -199,6 +199,25 @@ ValidatedMuonStep validate_muon_step(const Backend& backend, const Communicator&
 
 namespace {
 
+// The fused momentum pass of a parameter: the update into `update`, the new momentum in place
+// or, for a checked step, into new_momentum.
+void run_momentum_pass(Backend& backend, const MuonParamPlan& plan, int64_t count, void* update,
+                       void* new_momentum, Stream stream) {
+  const shardmuon_muon_param& p = *plan.param;
+  MomentumPass pass;
+  pass.grad = p.grad;
+  pass.param = plan.l2_decay != 0.0 ? p.param : nullptr;
+  pass.momentum = p.momentum;
+  pass.new_momentum = new_momentum;
+  pass.update = update;
+  pass.dtype = p.dtype;
+  pass.count = count;
+  pass.beta = plan.beta;
+  pass.nesterov = plan.nesterov;
+  pass.l2_decay = plan.l2_decay;
+  backend.momentum_pass(pass, stream);
+}
+
 size_t flag_bytes(const ValidatedMuonStep& step) {
   return aligned_bytes((1 + step.plans.size()) * sizeof(float));
 }
@@ -233,19 +252,7 @@ void run_checked_step(Backend& backend, Communicator& comm, const ValidatedMuonS
     const size_t shard_bytes = aligned_bytes(count * element_size(p.dtype));
     char* new_momentum = base + region;
     char* update = new_momentum + shard_bytes;
-
-    MomentumPass pass;
-    pass.grad = p.grad;
-    pass.param = plan.l2_decay != 0.0 ? p.param : nullptr;
-    pass.momentum = p.momentum;
-    pass.new_momentum = new_momentum;
-    pass.update = update;
-    pass.dtype = p.dtype;
-    pass.count = count;
-    pass.beta = plan.beta;
-    pass.nesterov = plan.nesterov;
-    pass.l2_decay = plan.l2_decay;
-    backend.momentum_pass(pass, stream);
+    run_momentum_pass(backend, plan, count, update, new_momentum, stream);
     run_newton_schulz(backend, comm, plan.ns, update, stream, region + 2 * shard_bytes);
 
     // A sharded update must be skipped on every rank or on none.
@@ -322,19 +329,7 @@ void run_muon_step(Backend& backend, Communicator& comm, const ValidatedMuonStep
     // The update U lives at the start of the workspace; Newton-Schulz's scratch follows.
     const size_t update_bytes = aligned_bytes(count * element_size(p.dtype));
     void* update = backend.workspace(update_bytes, stream);
-
-    MomentumPass pass;
-    pass.grad = p.grad;
-    pass.param = plan.l2_decay != 0.0 ? p.param : nullptr;
-    pass.momentum = p.momentum;
-    pass.update = update;
-    pass.dtype = p.dtype;
-    pass.count = count;
-    pass.beta = plan.beta;
-    pass.nesterov = plan.nesterov;
-    pass.l2_decay = plan.l2_decay;
-    backend.momentum_pass(pass, stream);
-
+    run_momentum_pass(backend, plan, count, update, nullptr, stream);
     run_newton_schulz(backend, comm, plan.ns, update, stream, update_bytes);
     backend.update_pass(p.param, update, p.dtype, count, plan.decay, plan.step_size, stream);
   }

@@ -21,25 +21,6 @@ struct AlignedFree {
   void operator()(void* pointer) const { std::free(pointer); }
 };
 
-double load(const void* data, shardmuon_dtype dtype, int64_t i) {
-  switch (dtype) {
-    case SHARDMUON_FLOAT32: return static_cast<const float*>(data)[i];
-    case SHARDMUON_BFLOAT16: return bf16_bits_to_float(static_cast<const uint16_t*>(data)[i]);
-    case SHARDMUON_FLOAT64: return static_cast<const double*>(data)[i];
-  }
-  return 0;
-}
-
-void store(void* data, shardmuon_dtype dtype, int64_t i, double value) {
-  switch (dtype) {
-    case SHARDMUON_FLOAT32: static_cast<float*>(data)[i] = static_cast<float>(value); return;
-    case SHARDMUON_BFLOAT16:
-      static_cast<uint16_t*>(data)[i] = float_to_bf16_bits(static_cast<float>(value));
-      return;
-    case SHARDMUON_FLOAT64: static_cast<double*>(data)[i] = value; return;
-  }
-}
-
 // OpenBLAS takes 32-bit dimensions (blasint) unless built for ILP64.
 blasint blas_dimension(int64_t value) {
   if (value > std::numeric_limits<blasint>::max()) {
@@ -91,10 +72,10 @@ class CpuBackend final : public Backend {
                       size_t, Stream) override {
     double sum = 0;
     for (int64_t i = 0; i < count; ++i) {
-      const double value = load(x, dtype, i);
+      const double value = load_element(x, dtype, i);
       sum += value * value;
     }
-    store(result, accumulate_dtype(dtype), 0, sum);
+    store_element(result, accumulate_dtype(dtype), 0, sum);
   }
 
   void divide_by_norm(const void* x, void* y, shardmuon_dtype dtype, int64_t count,
@@ -102,19 +83,20 @@ class CpuBackend final : public Backend {
     const shardmuon_dtype accumulate = accumulate_dtype(dtype);
     double scale;
     if (accumulate == SHARDMUON_FLOAT64) {
-      const double norm = std::max(std::sqrt(load(sum_of_squares, accumulate, 0)), eps);
+      const double norm = std::max(std::sqrt(load_element(sum_of_squares, accumulate, 0)), eps);
       scale = norm > 0 ? 1.0 / norm : 0.0;
     } else {  // the CUDA kernel's float32 arithmetic
       const float norm =
-          std::max(std::sqrt(static_cast<float>(load(sum_of_squares, accumulate, 0))),
+          std::max(std::sqrt(static_cast<float>(load_element(sum_of_squares, accumulate, 0))),
                    static_cast<float>(eps));
       scale = norm > 0 ? 1.0f / norm : 0.0f;
     }
     for (int64_t i = 0; i < count; ++i) {
-      const double value = accumulate == SHARDMUON_FLOAT64
-                               ? load(x, dtype, i) * scale
-                               : static_cast<float>(load(x, dtype, i)) * static_cast<float>(scale);
-      store(y, dtype, i, value);
+      const double value =
+          accumulate == SHARDMUON_FLOAT64
+              ? load_element(x, dtype, i) * scale
+              : static_cast<float>(load_element(x, dtype, i)) * static_cast<float>(scale);
+      store_element(y, dtype, i, value);
     }
   }
 
@@ -155,7 +137,7 @@ class CpuBackend final : public Backend {
     if (call.cd_type != SHARDMUON_FLOAT32) {
       for (int64_t j = 0; j < call.n; ++j) {
         for (int64_t i = 0; i < call.m; ++i) {
-          store(call.d, call.cd_type, j * call.ldd + i, d[j * call.ldd + i]);
+          store_element(call.d, call.cd_type, j * call.ldd + i, d[j * call.ldd + i]);
         }
       }
     }
@@ -173,12 +155,14 @@ class CpuBackend final : public Backend {
                    double decay, double step_size, Stream) override {
     for (int64_t i = 0; i < count; ++i) {
       if (dtype == SHARDMUON_FLOAT64) {
-        store(param, dtype, i, load(param, dtype, i) * decay - step_size * load(update, dtype, i));
+        store_element(
+            param, dtype, i,
+            load_element(param, dtype, i) * decay - step_size * load_element(update, dtype, i));
       } else {
         const float value =
-            static_cast<float>(load(param, dtype, i)) * static_cast<float>(decay) -
-            static_cast<float>(step_size) * static_cast<float>(load(update, dtype, i));
-        store(param, dtype, i, value);
+            static_cast<float>(load_element(param, dtype, i)) * static_cast<float>(decay) -
+            static_cast<float>(step_size) * static_cast<float>(load_element(update, dtype, i));
+        store_element(param, dtype, i, value);
       }
     }
   }
@@ -199,7 +183,7 @@ class CpuBackend final : public Backend {
   void flag_nonfinite(const void* x, shardmuon_dtype dtype, int64_t count, float* flag,
                       Stream) override {
     for (int64_t i = 0; i < count; ++i) {
-      if (!std::isfinite(load(x, dtype, i))) {
+      if (!std::isfinite(load_element(x, dtype, i))) {
         *flag = 1.0f;
         return;
       }
@@ -226,21 +210,22 @@ class CpuBackend final : public Backend {
     for (int64_t i = 0; i < n; ++i) {
       for (int64_t j = 0; j < n; ++j) {
         const int64_t index = i * n + j;
-        double value = load(src, src_type, index);
+        double value = load_element(src, src_type, index);
         // The CUDA kernel adds in float32 for float32 sources.
         if (i == j) {
           value = src_type == SHARDMUON_FLOAT64
                       ? value + shift
                       : static_cast<double>(static_cast<float>(value) + static_cast<float>(shift));
         }
-        store(dst, dst_type, index, value);
+        store_element(dst, dst_type, index, value);
       }
     }
   }
 
   void convert(const void* src, shardmuon_dtype src_type, void* dst, shardmuon_dtype dst_type,
                int64_t count, Stream) override {
-    for (int64_t i = 0; i < count; ++i) store(dst, dst_type, i, load(src, src_type, i));
+    for (int64_t i = 0; i < count; ++i)
+      store_element(dst, dst_type, i, load_element(src, src_type, i));
   }
 
   void copy_2d(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t row_bytes,
@@ -259,13 +244,13 @@ class CpuBackend final : public Backend {
     const T beta = static_cast<T>(pass.beta), weight = static_cast<T>(1.0 - pass.beta);
     const T l2 = static_cast<T>(pass.l2_decay);
     for (int64_t i = 0; i < pass.count; ++i) {
-      T g = static_cast<T>(load(pass.grad, pass.dtype, i));
-      if (pass.l2_decay != 0.0) g += l2 * static_cast<T>(load(pass.param, pass.dtype, i));
-      T m = static_cast<T>(load(pass.momentum, pass.dtype, i));
+      T g = static_cast<T>(load_element(pass.grad, pass.dtype, i));
+      if (pass.l2_decay != 0.0) g += l2 * static_cast<T>(load_element(pass.param, pass.dtype, i));
+      T m = static_cast<T>(load_element(pass.momentum, pass.dtype, i));
       m += weight * (g - m);  // lerp(m, g, 1 - beta)
-      store(pass.new_momentum ? pass.new_momentum : pass.momentum, pass.dtype, i, m);
+      store_element(pass.new_momentum ? pass.new_momentum : pass.momentum, pass.dtype, i, m);
       // Nesterov uses m before it is rounded to the storage dtype, as the GPU kernel does.
-      store(pass.update, pass.dtype, i, pass.nesterov ? g + beta * (m - g) : m);
+      store_element(pass.update, pass.dtype, i, pass.nesterov ? g + beta * (m - g) : m);
     }
   }
 
@@ -273,7 +258,8 @@ class CpuBackend final : public Backend {
                      std::vector<float>& buffer) {
     if (dtype == SHARDMUON_FLOAT32) return static_cast<const float*>(data);
     buffer.resize(count);
-    for (int64_t i = 0; i < count; ++i) buffer[i] = static_cast<float>(load(data, dtype, i));
+    for (int64_t i = 0; i < count; ++i)
+      buffer[i] = static_cast<float>(load_element(data, dtype, i));
     return buffer.data();
   }
 
@@ -288,7 +274,7 @@ class CpuBackend final : public Backend {
   void copy_strided(const void* c, int64_t ldc, T* d, int64_t ldd, const GemmCall& call) {
     for (int64_t j = 0; j < call.n; ++j) {
       for (int64_t i = 0; i < call.m; ++i) {
-        d[j * ldd + i] = static_cast<T>(load(c, call.cd_type, j * ldc + i));
+        d[j * ldd + i] = static_cast<T>(load_element(c, call.cd_type, j * ldc + i));
       }
     }
   }

@@ -59,32 +59,11 @@ const char* safetensors_dtype(shardmuon_dtype dtype) {
   return dtype == SHARDMUON_FLOAT64 ? "F64" : dtype == SHARDMUON_FLOAT32 ? "F32" : "BF16";
 }
 
-double load_element(const unsigned char* data, const std::string& dtype, int64_t i) {
-  if (dtype == "F64") {
-    double v;
-    std::memcpy(&v, data + i * 8, 8);
-    return v;
-  }
-  if (dtype == "F32") {
-    float v;
-    std::memcpy(&v, data + i * 4, 4);
-    return v;
-  }
-  uint16_t bits;
-  std::memcpy(&bits, data + i * 2, 2);
-  return bf16_bits_to_float(bits);
-}
-
-void store_element(unsigned char* data, shardmuon_dtype dtype, int64_t i, double value) {
-  if (dtype == SHARDMUON_FLOAT64) {
-    std::memcpy(data + i * 8, &value, 8);
-  } else if (dtype == SHARDMUON_FLOAT32) {
-    const float v = static_cast<float>(value);
-    std::memcpy(data + i * 4, &v, 4);
-  } else {
-    const uint16_t bits = float_to_bf16_bits(static_cast<float>(value));
-    std::memcpy(data + i * 2, &bits, 2);
-  }
+// The dtype of a safetensors dtype name; only the three the library writes are read.
+shardmuon_dtype dtype_of(const std::string& name) {
+  if (name == "F64") return SHARDMUON_FLOAT64;
+  if (name == "F32") return SHARDMUON_FLOAT32;
+  return SHARDMUON_BFLOAT16;  // read_safetensors_header admits only F64, F32 and BF16
 }
 
 uint32_t crc32_of(const std::vector<unsigned char>& bytes) {
@@ -206,24 +185,18 @@ std::string hex(uint64_t value) {
   return text;
 }
 
-// Runs a phase on this rank and turns any failure into an exception pointer for the
-// agreement that follows (I/O, JSON and filesystem errors included).
+// capture_local_failure, with JSON and filesystem errors turned into library failures.
 template <typename Phase>
 std::exception_ptr attempt(Phase&& phase) {
-  try {
-    phase();
-  } catch (const Failure&) {
-    return std::current_exception();
-  } catch (const json::exception& e) {
-    return std::make_exception_ptr(Failure(
-        SHARDMUON_ERROR_INVALID_ARGUMENT, std::string("the checkpoint is malformed: ") + e.what()));
-  } catch (const std::filesystem::filesystem_error& e) {
-    return std::make_exception_ptr(Failure(SHARDMUON_ERROR_INTERNAL, e.what()));
-  } catch (const std::bad_alloc&) {
-    return std::make_exception_ptr(
-        Failure(SHARDMUON_ERROR_OUT_OF_MEMORY, "out of host memory while staging the checkpoint"));
-  }
-  return nullptr;
+  return capture_local_failure([&] {
+    try {
+      phase();
+    } catch (const json::exception& e) {
+      fail(SHARDMUON_ERROR_INVALID_ARGUMENT, "the checkpoint is malformed: ", e.what());
+    } catch (const std::filesystem::filesystem_error& e) {
+      fail(SHARDMUON_ERROR_INTERNAL, e.what());
+    }
+  });
 }
 
 }  // namespace
@@ -418,6 +391,7 @@ void load_muon_checkpoint(Backend& backend, Communicator& comm, const std::strin
                             "checkpoint file ", path, " places \"", name,
                             "\" elsewhere than the index");
         const std::vector<unsigned char> bytes = read_safetensors_tensor(path, header, *entry);
+        const shardmuon_dtype saved_dtype = dtype_of(entry->dtype);
         SHARDMUON_CHECK_ARG(crc32_of(bytes) == recorded.at("crc32").get<uint32_t>(),
                             "checkpoint file ", path, " is corrupted: the CRC-32 of \"", name,
                             "\" does not match the one recorded when it was written");
@@ -428,7 +402,7 @@ void load_muon_checkpoint(Backend& backend, Communicator& comm, const std::strin
             const int64_t destination =
                 (overlap.row0 - target.row0 + r) * target.cols + (overlap.col0 - target.col0 + c);
             store_element(staged[i].data(), plan.ns.dtype, destination,
-                          load_element(bytes.data(), entry->dtype, source));
+                          load_element(bytes.data(), saved_dtype, source));
           }
         }
         covered += overlap.elements();
