@@ -13,7 +13,7 @@ export PATH="/opt/torch/.venv/bin:$PATH:/usr/local/cuda/bin" OPENBLAS_NUM_THREAD
 export SHARDMUON_TEST_REPORT_ERRORS=1  # the tests print each case's error and tolerance
 mpi=(mpirun --allow-run-as-root --oversubscribe -x NCCL_NVLS_ENABLE -x TORCH_SYMM_MEM_DISABLE_MULTICAST
      -x NVSHMEM_DISABLE_NVLS -x OPENBLAS_NUM_THREADS -x SHARDMUON_TEST_REPORT_ERRORS)
-what="${1:-all}"  # all | tests | torch | final
+what="${1:-all}"  # all | tests | torch | final | timeout | bench
 gpus=$(nvidia-smi -L | wc -l)
 nvidia-smi -L
 echo "gpus: $gpus"
@@ -39,6 +39,36 @@ cmake --build $build --parallel "$(nproc)" >"$out/build.log" 2>&1 || { grep -E "
 echo "build: $(( $(date +%s) - start )) s"
 
 results=()
+# The injected fault on its own (one rank never calls; NCCL), with progress lines from the
+# test; if it is still running after 40 s, the stacks of both ranks (gdb) go to the log.
+timeout_injection() {
+  local log="$out/timeout.log"
+  SHARDMUON_TEST_NCCL_TIMEOUT=1 "${mpi[@]}" -x SHARDMUON_TEST_NCCL_TIMEOUT -np 2 \
+    $build/tests/shardmuon_tests --backend=cuda --gtest_brief=1 \
+    --gtest_filter='Reliability.ARankThatNeverCalls*' >"$log" 2>&1 &
+  local job=$! waited=0
+  while kill -0 $job 2>/dev/null && [[ $waited -lt 40 ]]; do sleep 1; waited=$((waited + 1)); done
+  if kill -0 $job 2>/dev/null; then
+    for pid in $(pgrep -x shardmuon_tests); do
+      echo "== stacks of $pid" >>"$log"
+      if command -v gdb >/dev/null; then
+        timeout 30 gdb -p "$pid" -batch -ex 'thread apply all bt 12' >>"$log" 2>&1
+      else
+        cat /proc/"$pid"/task/*/wchan >>"$log" 2>&1
+      fi
+    done
+    kill $job 2>/dev/null; pkill -x shardmuon_tests; sleep 1
+  fi
+  wait $job
+  local rc=$?
+  grep -E "^\[rank|Failure" "$log" | head -20
+  results+=("NCCL timeout injection (2 GPUs): rc=$rc after ${waited}s $(grep -E 'PASSED|FAILED  \]' "$log" | sed 's/\x1b\[[0-9;]*m//g' | tr '\n' ' ')")
+}
+if [[ "$what" == "timeout" ]]; then
+  timeout_injection
+  printf '%s\n' "${results[@]}"
+  exit 0
+fi
 if [[ "$what" == "final" ]]; then
   # The CUDA tests on 1 and 2 GPUs; compute-sanitizer memcheck, racecheck and synccheck over a
   # cross-section; the PyTorch front end's checks.
@@ -50,13 +80,7 @@ if [[ "$what" == "final" ]]; then
     grep -E "^\[rank|Failure|FAILED" "$log" | head -20
     results+=("cuda tests on $ranks GPU(s): rc=$rc $(grep -E 'PASSED|FAILED  \]|SKIPPED \]' "$log" | sed 's/\x1b\[[0-9;]*m//g' | tr '\n' ' ')")
   done
-  # The injected fault on its own (one rank never calls; NCCL), bounded in case an abort hangs.
-  SHARDMUON_TEST_NCCL_TIMEOUT=1 timeout 60 "${mpi[@]}" -x SHARDMUON_TEST_NCCL_TIMEOUT -np 2 \
-    $build/tests/shardmuon_tests --backend=cuda --gtest_brief=1 \
-    --gtest_filter='Reliability.ARankThatNeverCalls*' >"$out/timeout.log" 2>&1
-  rc=$?
-  grep -E "^\[rank|Failure" "$out/timeout.log" | head -10
-  results+=("NCCL timeout injection (2 GPUs): rc=$rc $(grep -E 'PASSED|FAILED  \]' "$out/timeout.log" | sed 's/\x1b\[[0-9;]*m//g' | tr '\n' ' ')")
+  timeout_injection
   filter='*Layouts*67x131*dim1*P1*:*Schedules*quintic5*P1:NonFinite.*:MuonStepB*:Checkpoint.LoadsOn*'
   for tool in memcheck racecheck synccheck; do
     log="$out/$tool.log"

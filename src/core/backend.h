@@ -10,6 +10,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "core/symmetric_tiles.h"
 #include "shardmuon/shardmuon.h"
 
 namespace shardmuon {
@@ -126,13 +127,22 @@ class Backend {
   virtual void update_pass(void* param, const void* update, shardmuon_dtype dtype, int64_t count,
                            double decay, double step_size, Stream stream) = 0;
 
-  // dst = src + shift * I for an n x n matrix, converted from src_type to dst_type (rounded
-  // once, to nearest even). src and dst may be the same buffer when the types are equal.
-  virtual void shift_diagonal(const void* src, shardmuon_dtype src_type, void* dst,
-                              shardmuon_dtype dst_type, int64_t n, double shift, Stream stream) = 0;
-  // dst[i] = src[i] converted (float32 -> bfloat16 rounds to nearest even).
-  virtual void convert(const void* src, shardmuon_dtype src_type, void* dst,
-                       shardmuon_dtype dst_type, int64_t count, Stream stream) = 0;
+  // How wide SymmetricTiles' blocks should be on this backend: narrower blocks save more
+  // flops (the triangle), wider ones run the GEMMs faster.
+  virtual int64_t symmetric_block_target() const = 0;
+  // dst (n x n, column-major, dst_type) = the symmetric matrix whose lower block columns
+  // `packed` (src_type) holds in the layout of `tiles`, plus shift * I, rounded once to
+  // nearest even. The lower triangle is the truth: dst is exactly symmetric. dst must not
+  // overlap packed.
+  virtual void unpack_symmetric(const void* packed, shardmuon_dtype src_type,
+                                const SymmetricTiles& tiles, void* dst, shardmuon_dtype dst_type,
+                                double shift, Stream stream) = 0;
+  // A stream for communication that overlaps computation on `stream` (the CUDA backend's
+  // own, created once; the CPU backend, which computes before returning, gives `stream`).
+  virtual Stream side_stream(Stream stream) = 0;
+  // Work enqueued on `waiter` from now on starts after the work already enqueued on
+  // `signaller` (an event; no host synchronization).
+  virtual void order_after(Stream waiter, Stream signaller) = 0;
   // Copies `rows` rows of row_bytes each between pitched buffers.
   virtual void copy_2d(void* dst, size_t dst_pitch, const void* src, size_t src_pitch,
                        size_t row_bytes, size_t rows, Stream stream) = 0;

@@ -38,36 +38,41 @@ struct WideBlock {
   int64_t elements() const { return s * length; }
 };
 
-// Scratch buffers of one Newton-Schulz run on a block.
+// Scratch buffers of one Newton-Schulz run on a block. The Gram A = X X^T and the
+// polynomial P = a I + b A + c A A are symmetric: their products compute only the lower
+// block columns (SymmetricTiles), kept packed in the accumulate dtype, and are then
+// unpacked to full matrices in the storage dtype as the operands of the next product.
 struct IterationBuffers {
-  void* x[2];          // ping-pong iterates, storage dtype
-  void* gram;          // A = X X^T, s x s, accumulate dtype (all-reduced)
-  void* poly;          // P = a I + b A + c A A, s x s, accumulate dtype
-  void* gram_storage;  // A rounded to the storage dtype (bf16 only) for the A A product
-  void* poly_storage;  // P rounded to the storage dtype (bf16 only) for the P X product
+  SymmetricTiles tiles;
+  void* x[2];         // ping-pong iterates, storage dtype
+  void* gram_packed;  // A's lower block columns, accumulate dtype (all-reduced)
+  void* gram_full;    // A, storage dtype, the operand of A A
+  void* poly_packed;  // P's lower block columns, accumulate dtype
+  void* poly_full;    // P, storage dtype, the operand of P X
   void* sum_of_squares;
   void* reduce_scratch;
   size_t reduce_scratch_bytes;
 };
 
 struct IterationSlots {
-  size_t x0, x1, gram, poly, gram_storage, poly_storage, sum_of_squares, reduce_scratch;
+  SymmetricTiles tiles;
+  size_t x0, x1, gram_packed, gram_full, poly_packed, poly_full, sum_of_squares, reduce_scratch;
   size_t reduce_scratch_bytes;
-  bool rounds_to_storage;
 
   static IterationSlots reserve(WorkspaceCarver& carver, const Backend& backend,
                                 shardmuon_dtype dtype, const WideBlock& block) {
     const size_t storage = element_size(dtype);
     const size_t accumulate = element_size(accumulate_dtype(dtype));
-    const size_t gram_elements = static_cast<size_t>(block.s * block.s);
     IterationSlots slots;
-    slots.rounds_to_storage = dtype != accumulate_dtype(dtype);
+    slots.tiles = SymmetricTiles::split(block.s, backend.symmetric_block_target(), kMaxTileBlocks);
+    const size_t packed = static_cast<size_t>(slots.tiles.packed_elements());
+    const size_t full = static_cast<size_t>(block.s * block.s);
     slots.x0 = carver.reserve(block.elements() * storage);
     slots.x1 = carver.reserve(block.elements() * storage);
-    slots.gram = carver.reserve(gram_elements * accumulate);
-    slots.poly = carver.reserve(gram_elements * accumulate);
-    slots.gram_storage = carver.reserve(slots.rounds_to_storage ? gram_elements * storage : 0);
-    slots.poly_storage = carver.reserve(slots.rounds_to_storage ? gram_elements * storage : 0);
+    slots.gram_packed = carver.reserve(packed * accumulate);
+    slots.gram_full = carver.reserve(full * storage);
+    slots.poly_packed = carver.reserve(packed * accumulate);
+    slots.poly_full = carver.reserve(full * storage);
     slots.sum_of_squares = carver.reserve(accumulate);
     slots.reduce_scratch_bytes = backend.sum_of_squares_scratch_bytes(dtype, block.elements());
     slots.reduce_scratch = carver.reserve(slots.reduce_scratch_bytes);
@@ -76,47 +81,72 @@ struct IterationSlots {
 
   IterationBuffers resolve(const WorkspaceCarver& carver) const {
     IterationBuffers buffers;
+    buffers.tiles = tiles;
     buffers.x[0] = carver.pointer(x0);
     buffers.x[1] = carver.pointer(x1);
-    buffers.gram = carver.pointer(gram);
-    buffers.poly = carver.pointer(poly);
-    buffers.gram_storage = rounds_to_storage ? carver.pointer(gram_storage) : buffers.gram;
-    buffers.poly_storage = rounds_to_storage ? carver.pointer(poly_storage) : buffers.poly;
+    buffers.gram_packed = carver.pointer(gram_packed);
+    buffers.gram_full = carver.pointer(gram_full);
+    buffers.poly_packed = carver.pointer(poly_packed);
+    buffers.poly_full = carver.pointer(poly_full);
     buffers.sum_of_squares = carver.pointer(sum_of_squares);
     buffers.reduce_scratch = carver.pointer(reduce_scratch);
     buffers.reduce_scratch_bytes = reduce_scratch_bytes;
     return buffers;
   }
+
+  static constexpr int kMaxTileBlocks = 16;
 };
 
-// gram = X X^T over this block's columns of X (the partial Gram of a long-side block).
-void gram_product(Backend& backend, shardmuon_dtype dtype, const WideBlock& block, const void* x,
-                  void* gram, Stream stream) {
+// A = X X^T over this block's columns of X (the partial Gram of a long-side block), lower
+// block columns only, then unpacked for the next product. With comm, each block column is
+// summed over the group as soon as it is computed, on the backend's side stream, so that
+// the reduction of one block column overlaps the product of the next.
+void gram_product(Backend& backend, Communicator* comm, shardmuon_dtype dtype,
+                  const WideBlock& block, const void* x, const IterationBuffers& buffers,
+                  Stream stream) {
   const shardmuon_dtype accumulate = accumulate_dtype(dtype);
+  const size_t element = element_size(dtype), accumulate_element = element_size(accumulate);
+  const SymmetricTiles& tiles = buffers.tiles;
+  const Stream side = comm != nullptr ? backend.side_stream(stream) : stream;
   if (block.length == 0) {  // an empty shard contributes nothing to the sum
-    backend.fill_zero(gram, block.s * block.s * element_size(accumulate), stream);
-    return;
+    backend.fill_zero(buffers.gram_packed, tiles.packed_elements() * accumulate_element, stream);
   }
-  GemmCall call;
-  call.m = call.n = block.s;
-  call.k = block.length;
-  call.a = call.b = x;
-  call.ab_type = dtype;
-  call.cd_type = accumulate;
-  call.c = call.d = gram;
-  call.ldc = call.ldd = block.s;
-  if (block.long_side_is_cols) {  // operand is X^T (length x s): (X^T)^T X^T
-    call.transpose_a = true;
-    call.lda = call.ldb = block.length;
-  } else {  // operand is X (s x length): X X^T
-    call.transpose_b = true;
-    call.lda = call.ldb = block.s;
+  for (int j = 0; j < tiles.blocks(); ++j) {
+    char* column = static_cast<char*>(buffers.gram_packed) + tiles.offset(j) * accumulate_element;
+    if (block.length > 0) {
+      // Rows start..s-1 of A's columns start..start+width-1: X[start:, :] X[start:start+width,
+      // :]^T.
+      GemmCall call;
+      call.m = tiles.rows(j);
+      call.n = tiles.width(j);
+      call.k = block.length;
+      call.ab_type = dtype;
+      call.cd_type = accumulate;
+      call.c = call.d = column;
+      call.ldc = call.ldd = tiles.rows(j);
+      if (block.long_side_is_cols) {  // operand is X^T (length x s): (X^T)^T X^T
+        call.a = call.b = byte_offset(x, tiles.start(j) * block.length * element);
+        call.transpose_a = true;
+        call.lda = call.ldb = block.length;
+      } else {  // operand is X (s x length): X X^T
+        call.a = call.b = byte_offset(x, tiles.start(j) * element);
+        call.transpose_b = true;
+        call.lda = call.ldb = block.s;
+      }
+      backend.gemm(call, stream);
+    }
+    if (comm != nullptr) {
+      backend.order_after(side, stream);
+      comm->all_reduce_sum(column, tiles.elements(j), accumulate, side);
+    }
   }
-  backend.gemm(call, stream);
+  if (comm != nullptr) backend.order_after(stream, side);
+  backend.unpack_symmetric(buffers.gram_packed, accumulate, tiles, buffers.gram_full, dtype, 0.0,
+                           stream);
 }
 
-// P = a I + b A + c A A, from the summed Gram A (accumulate dtype), rounded once to the
-// storage dtype for the update product X <- P X.
+// P = a I + b A + c A A, lower block columns of c A A + b A in the accumulate dtype, then
+// a I added while unpacking, which rounds P once to the storage dtype for X <- P X.
 //
 // Folding a I into P before rounding (rather than computing a X + B X) matters for bf16:
 // where a singular value is near 1, a + b s^2 + c s^4 is far smaller than its terms (the
@@ -126,24 +156,30 @@ void gram_polynomial(Backend& backend, shardmuon_dtype dtype, const WideBlock& b
                      const Coefficients& coefficients, const IterationBuffers& buffers,
                      Stream stream) {
   const shardmuon_dtype accumulate = accumulate_dtype(dtype);
-  if (buffers.gram_storage != buffers.gram) {  // tensor-core operands for A A
-    backend.convert(buffers.gram, accumulate, buffers.gram_storage, dtype, block.s * block.s,
-                    stream);
+  const size_t element = element_size(dtype), accumulate_element = element_size(accumulate);
+  const SymmetricTiles& tiles = buffers.tiles;
+  for (int j = 0; j < tiles.blocks(); ++j) {
+    // A[start:, :] A[:, start:start+width] (A is symmetric and full in gram_full).
+    const int64_t packed_offset = tiles.offset(j) * accumulate_element;
+    GemmCall call;
+    call.m = tiles.rows(j);
+    call.n = tiles.width(j);
+    call.k = block.s;
+    call.alpha = coefficients.c;
+    call.beta = coefficients.b;
+    call.a = byte_offset(buffers.gram_full, tiles.start(j) * element);
+    call.lda = block.s;
+    call.b = byte_offset(buffers.gram_full, tiles.start(j) * block.s * element);
+    call.ldb = block.s;
+    call.ab_type = dtype;
+    call.c = byte_offset(buffers.gram_packed, packed_offset);
+    call.d = byte_offset(buffers.poly_packed, packed_offset);
+    call.ldc = call.ldd = tiles.rows(j);
+    call.cd_type = accumulate;
+    backend.gemm(call, stream);
   }
-  GemmCall call;
-  call.m = call.n = call.k = block.s;
-  call.alpha = coefficients.c;
-  call.beta = coefficients.b;
-  call.a = call.b = buffers.gram_storage;
-  call.lda = call.ldb = block.s;
-  call.ab_type = dtype;
-  call.c = buffers.gram;
-  call.d = buffers.poly;
-  call.ldc = call.ldd = block.s;
-  call.cd_type = accumulate;
-  backend.gemm(call, stream);
-  backend.shift_diagonal(buffers.poly, accumulate, buffers.poly_storage, dtype, block.s,
-                         coefficients.a, stream);
+  backend.unpack_symmetric(buffers.poly_packed, accumulate, tiles, buffers.poly_full, dtype,
+                           coefficients.a, stream);
 }
 
 // x_next = P X for this block's columns of X (P is symmetric, so in the transposed view
@@ -205,10 +241,9 @@ void iterate_on_block(Backend& backend, Communicator* comm, const NsProblem& pro
   const size_t iterations = problem.coefficients.size();
   for (size_t k = 0; k < iterations; ++k) {
     void* x_next = k + 1 == iterations ? data : buffers.x[(k + 1) % 2];
-    gram_product(backend, dtype, block, x, buffers.gram, stream);
-    if (comm != nullptr) comm->all_reduce_sum(buffers.gram, block.s * block.s, accumulate, stream);
+    gram_product(backend, comm, dtype, block, x, buffers, stream);
     gram_polynomial(backend, dtype, block, problem.coefficients[k], buffers, stream);
-    apply_polynomial(backend, dtype, block, buffers.poly_storage, x, x_next, stream);
+    apply_polynomial(backend, dtype, block, buffers.poly_full, x, x_next, stream);
     x = x_next;
   }
 }

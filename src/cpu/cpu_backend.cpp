@@ -122,7 +122,8 @@ class CpuBackend final : public Backend {
     // float32 products. bf16 operands are widened exactly; a bf16 result is computed in
     // float32 (C widened first) and rounded once, as the tensor cores do.
     const float* a = widen(call.a, call.ab_type, a_span, a_widened_);
-    const float* b = call.b == call.a ? a : widen(call.b, call.ab_type, b_span, b_widened_);
+    const float* b =
+        call.b == call.a && b_span <= a_span ? a : widen(call.b, call.ab_type, b_span, b_widened_);
     float* d;
     if (call.cd_type == SHARDMUON_FLOAT32) {
       d = static_cast<float*>(call.d);
@@ -205,28 +206,33 @@ class CpuBackend final : public Backend {
   void synchronize(Stream) override {}
   void wait_for_last_call() override {}
 
-  void shift_diagonal(const void* src, shardmuon_dtype src_type, void* dst,
-                      shardmuon_dtype dst_type, int64_t n, double shift, Stream) override {
-    for (int64_t i = 0; i < n; ++i) {
-      for (int64_t j = 0; j < n; ++j) {
-        const int64_t index = i * n + j;
-        double value = load_element(src, src_type, index);
-        // The CUDA kernel adds in float32 for float32 sources.
-        if (i == j) {
-          value = src_type == SHARDMUON_FLOAT64
-                      ? value + shift
-                      : static_cast<double>(static_cast<float>(value) + static_cast<float>(shift));
+  // Blocks of 32 columns: the CPU backend runs the tests, which should split their small
+  // matrices into several blocks.
+  int64_t symmetric_block_target() const override { return 32; }
+
+  void unpack_symmetric(const void* packed, shardmuon_dtype src_type, const SymmetricTiles& tiles,
+                        void* dst, shardmuon_dtype dst_type, double shift, Stream) override {
+    const int64_t n = tiles.n;
+    for (int j = 0; j < tiles.blocks(); ++j) {
+      const int64_t offset = tiles.offset(j), start = tiles.start(j), rows = tiles.rows(j);
+      for (int64_t c = start; c < start + tiles.width(j); ++c) {
+        for (int64_t r = c; r < n; ++r) {  // the lower triangle of column c
+          double value = load_element(packed, src_type, offset + (r - start) + (c - start) * rows);
+          if (r == c) {  // the CUDA kernel adds in float32 for float32 sources
+            value =
+                src_type == SHARDMUON_FLOAT64
+                    ? value + shift
+                    : static_cast<double>(static_cast<float>(value) + static_cast<float>(shift));
+          }
+          store_element(dst, dst_type, c * n + r, value);
+          store_element(dst, dst_type, r * n + c, value);
         }
-        store_element(dst, dst_type, index, value);
       }
     }
   }
 
-  void convert(const void* src, shardmuon_dtype src_type, void* dst, shardmuon_dtype dst_type,
-               int64_t count, Stream) override {
-    for (int64_t i = 0; i < count; ++i)
-      store_element(dst, dst_type, i, load_element(src, src_type, i));
-  }
+  Stream side_stream(Stream stream) override { return stream; }
+  void order_after(Stream, Stream) override {}
 
   void copy_2d(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t row_bytes,
                size_t rows, Stream) override {

@@ -31,9 +31,10 @@ struct PinnedMemoryDeleter {
 };
 using UniquePinnedMemory = std::unique_ptr<void, PinnedMemoryDeleter>;
 
-inline UniqueStream make_nonblocking_stream() {
+// priority: 0 is the default; lower numbers run first (cudaDeviceGetStreamPriorityRange).
+inline UniqueStream make_nonblocking_stream(int priority = 0) {
   cudaStream_t stream = nullptr;
-  SHARDMUON_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  SHARDMUON_CUDA(cudaStreamCreateWithPriority(&stream, cudaStreamNonBlocking, priority));
   return UniqueStream(stream);
 }
 

@@ -57,30 +57,57 @@ __global__ void divide_by_norm_kernel(const T* x, T* y, int64_t count, const flo
   }
 }
 
+// One 32 x 32 tile pair of unpack_symmetric: tile (I, J) of the lower triangle (I >= J,
+// in tiles) is read once from the packed block columns (coalesced down its columns) and
+// written to its own place and, transposed through shared memory, to tile (J, I). On a
+// diagonal tile the entries above the diagonal come from their mirror images below it, so
+// the result is exactly symmetric.
+struct PackedTriangle {
+  static constexpr int kMaxBlocks = 64;
+  int64_t n;
+  int blocks;
+  int64_t starts[kMaxBlocks + 1];
+  int64_t offsets[kMaxBlocks + 1];
+
+  // Where entry (r, c), r >= c, of the lower triangle is kept.
+  __device__ int64_t index(int64_t r, int64_t c) const {
+    int j = 0;
+    while (c >= starts[j + 1]) ++j;
+    return offsets[j] + (r - starts[j]) + (c - starts[j]) * (n - starts[j]);
+  }
+};
+
+constexpr int kTile = 32;
+constexpr int kTileRowsPerPass = 8;
+
 template <typename Source, typename Destination>
-__global__ void convert_kernel(const Source* src, Destination* dst, int64_t count) {
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < count;
-       i += int64_t{gridDim.x} * blockDim.x) {
-    dst[i] = from_accumulate<Destination>(to_float(src[i]));
+__global__ void unpack_symmetric_kernel(const Source* packed, PackedTriangle layout,
+                                        Destination* dst, float shift) {
+  const int64_t tile_row = blockIdx.x, tile_col = blockIdx.y;
+  if (tile_col > tile_row) return;
+  __shared__ float tile[kTile][kTile + 1];  // [row][col]; +1 avoids bank conflicts
+  const int64_t n = layout.n;
+  const int64_t row0 = tile_row * kTile, col0 = tile_col * kTile;
+  const int64_t r = row0 + threadIdx.x;
+  for (int y = threadIdx.y; y < kTile; y += kTileRowsPerPass) {
+    const int64_t c = col0 + y;
+    tile[threadIdx.x][y] = r < n && c < n && r >= c ? to_float(packed[layout.index(r, c)]) : 0.0f;
   }
-}
-
-// dst = src + shift * I over an n x n matrix, converting float32 -> storage type.
-template <typename Destination>
-__global__ void shift_diagonal_kernel(const float* src, Destination* dst, int64_t n, float shift) {
-  const int64_t count = n * n;
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < count;
-       i += int64_t{gridDim.x} * blockDim.x) {
-    const float value = src[i] + (i / n == i % n ? shift : 0.0f);
-    dst[i] = from_accumulate<Destination>(value);
+  __syncthreads();
+  for (int y = threadIdx.y; y < kTile; y += kTileRowsPerPass) {
+    const int64_t c = col0 + y;
+    if (r >= n || c >= n) continue;
+    // r < c only on a diagonal tile, where row0 == col0 and the mirror is tile[y][x].
+    float value = r >= c ? tile[threadIdx.x][y] : tile[y][threadIdx.x];
+    if (r == c) value += shift;
+    dst[c * n + r] = from_accumulate<Destination>(value);
   }
-}
-
-// In place: only the n diagonal entries change.
-__global__ void shift_diagonal_in_place_kernel(float* matrix, int64_t n, float shift) {
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
-       i += int64_t{gridDim.x} * blockDim.x) {
-    matrix[i * n + i] += shift;
+  if (tile_row == tile_col) return;
+  for (int y = threadIdx.y; y < kTile; y += kTileRowsPerPass) {
+    const int64_t upper_row = col0 + threadIdx.x, upper_col = row0 + y;
+    if (upper_row < n && upper_col < n) {
+      dst[upper_col * n + upper_row] = from_accumulate<Destination>(tile[y][threadIdx.x]);
+    }
   }
 }
 
@@ -132,39 +159,37 @@ void divide_by_norm_cuda(const void* x, void* y, shardmuon_dtype dtype, int64_t 
   check_launch("divide_by_norm_kernel");
 }
 
-void shift_diagonal_cuda(const void* src, shardmuon_dtype src_type, void* dst,
-                         shardmuon_dtype dst_type, int64_t n, double shift, cudaStream_t stream) {
+void unpack_symmetric_cuda(const void* packed, shardmuon_dtype src_type,
+                           const SymmetricTiles& tiles, void* dst, shardmuon_dtype dst_type,
+                           double shift, cudaStream_t stream) {
   if (src_type != SHARDMUON_FLOAT32) {
-    fail(SHARDMUON_ERROR_INTERNAL, "shift_diagonal_cuda takes float32 sources");
+    fail(SHARDMUON_ERROR_INTERNAL, "unpack_symmetric_cuda takes float32 sources");
   }
-  const float* source = static_cast<const float*>(src);
-  const float amount = static_cast<float>(shift);
-  if (dst_type == SHARDMUON_FLOAT32 && dst == src) {
-    shift_diagonal_in_place_kernel<<<grid_for(n), kThreads, 0, stream>>>(static_cast<float*>(dst),
-                                                                         n, amount);
-  } else if (dst_type == SHARDMUON_FLOAT32) {
-    shift_diagonal_kernel<<<grid_for(n * n), kThreads, 0, stream>>>(
-        source, static_cast<float*>(dst), n, amount);
+  if (tiles.blocks() > PackedTriangle::kMaxBlocks) {
+    fail(SHARDMUON_ERROR_INTERNAL, "unpack_symmetric_cuda takes at most ",
+         PackedTriangle::kMaxBlocks, " blocks, not ", tiles.blocks());
+  }
+  if (tiles.n == 0) return;
+  PackedTriangle layout{};
+  layout.n = tiles.n;
+  layout.blocks = tiles.blocks();
+  for (int j = 0; j <= tiles.blocks(); ++j) {
+    layout.starts[j] = tiles.starts[j];
+    layout.offsets[j] = tiles.offset(j);
+  }
+  const int64_t tile_count = (tiles.n + kTile - 1) / kTile;
+  if (tile_count > 65535) fail(SHARDMUON_ERROR_UNSUPPORTED, "matrix side ", tiles.n, " too large");
+  const dim3 grid(static_cast<unsigned int>(tile_count), static_cast<unsigned int>(tile_count));
+  const dim3 block(kTile, kTileRowsPerPass);
+  const float* source = static_cast<const float*>(packed);
+  if (dst_type == SHARDMUON_FLOAT32) {
+    unpack_symmetric_kernel<<<grid, block, 0, stream>>>(source, layout, static_cast<float*>(dst),
+                                                        static_cast<float>(shift));
   } else {
-    shift_diagonal_kernel<<<grid_for(n * n), kThreads, 0, stream>>>(
-        source, static_cast<__nv_bfloat16*>(dst), n, amount);
+    unpack_symmetric_kernel<<<grid, block, 0, stream>>>(
+        source, layout, static_cast<__nv_bfloat16*>(dst), static_cast<float>(shift));
   }
-  check_launch("shift_diagonal_kernel");
-}
-
-void convert_cuda(const void* src, shardmuon_dtype src_type, void* dst, shardmuon_dtype dst_type,
-                  int64_t count, cudaStream_t stream) {
-  if (src_type == SHARDMUON_FLOAT32 && dst_type == SHARDMUON_BFLOAT16) {
-    convert_kernel<<<grid_for(count), kThreads, 0, stream>>>(
-        static_cast<const float*>(src), static_cast<__nv_bfloat16*>(dst), count);
-  } else if (src_type == SHARDMUON_BFLOAT16 && dst_type == SHARDMUON_FLOAT32) {
-    convert_kernel<<<grid_for(count), kThreads, 0, stream>>>(static_cast<const __nv_bfloat16*>(src),
-                                                             static_cast<float*>(dst), count);
-  } else {
-    fail(SHARDMUON_ERROR_INTERNAL, "no CUDA conversion from dtype ", static_cast<int>(src_type),
-         " to ", static_cast<int>(dst_type));
-  }
-  check_launch("convert_kernel");
+  check_launch("unpack_symmetric_kernel");
 }
 
 }  // namespace shardmuon

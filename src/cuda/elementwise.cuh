@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "core/symmetric_tiles.h"
 #include "shardmuon/shardmuon.h"
 
 namespace shardmuon {
@@ -15,9 +16,8 @@ void sum_of_squares_cuda(const void* x, shardmuon_dtype dtype, int64_t count, vo
                          void* scratch, size_t scratch_bytes, cudaStream_t stream);
 void divide_by_norm_cuda(const void* x, void* y, shardmuon_dtype dtype, int64_t count,
                          const void* sum_of_squares, double eps, cudaStream_t stream);
-void shift_diagonal_cuda(const void* src, shardmuon_dtype src_type, void* dst,
-                         shardmuon_dtype dst_type, int64_t n, double shift, cudaStream_t stream);
-void convert_cuda(const void* src, shardmuon_dtype src_type, void* dst, shardmuon_dtype dst_type,
-                  int64_t count, cudaStream_t stream);
+void unpack_symmetric_cuda(const void* packed, shardmuon_dtype src_type,
+                           const SymmetricTiles& tiles, void* dst, shardmuon_dtype dst_type,
+                           double shift, cudaStream_t stream);
 
 }  // namespace shardmuon

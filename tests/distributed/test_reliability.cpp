@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <limits>
 #include <string>
@@ -18,6 +19,14 @@ namespace {
 
 class Reliability : public DistributedTest {};
 
+// Where a rank is, printed when SHARDMUON_TEST_NCCL_TIMEOUT is set: the fault-injection test
+// is the one that can hang, and a hang shows no gtest output.
+void progress(const char* where) {
+  if (std::getenv("SHARDMUON_TEST_NCCL_TIMEOUT") == nullptr) return;
+  std::fprintf(stderr, "[rank %d] %s\n", Harness::get().world_rank(), where);
+  std::fflush(stderr);
+}
+
 TEST_F(Reliability, ARankThatNeverCallsEndsInATimeoutOnTheOthers) {
   // Over NCCL this test hung on the lent H200s (2026-11-30, twice: with ncclCommAbort on
   // timeout and with only non-blocking polling), so the NCCL timeout is not yet known to work;
@@ -30,6 +39,7 @@ TEST_F(Reliability, ARankThatNeverCallsEndsInATimeoutOnTheOthers) {
     if (!group.member) continue;
     // A handle of its own, since a timeout leaves it unusable.
     shardmuon_comm_t comm = nullptr;
+    progress("creating the communicator");
     if (Harness::get().on_gpu()) {
       ASSERT_EQ(shardmuon_comm_create_nccl(Harness::get().nccl_comm(p), &comm), SHARDMUON_SUCCESS)
           << shardmuon_last_error();
@@ -46,6 +56,7 @@ TEST_F(Reliability, ARankThatNeverCallsEndsInATimeoutOnTheOthers) {
     Buffer buffer = Harness::get().upload(before);
 
     const bool absent = group.rank == p - 1;  // this rank "skips" the call
+    progress("created");
     if (!absent) {
       const auto start = std::chrono::steady_clock::now();
       const shardmuon_status status =
@@ -53,10 +64,12 @@ TEST_F(Reliability, ARankThatNeverCallsEndsInATimeoutOnTheOthers) {
                                   &layout, &options, Harness::get().stream());
       const double seconds =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      progress("the call returned");
       EXPECT_EQ(status, SHARDMUON_ERROR_TIMEOUT) << shardmuon_last_error();
       EXPECT_NE(std::string(shardmuon_last_error()).find("within"), std::string::npos);
       EXPECT_LT(seconds, 5.0);
       EXPECT_EQ(Harness::get().download(buffer), before);
+      progress("downloaded");
       // The handle now refuses every call at once.
       EXPECT_EQ(
           shardmuon_newton_schulz(Harness::get().context(), comm, buffer.data(), SHARDMUON_FLOAT32,
@@ -66,7 +79,9 @@ TEST_F(Reliability, ARankThatNeverCallsEndsInATimeoutOnTheOthers) {
     }
     // Everyone has given up: the late rank now joins the pending exchange (with arguments that
     // fail its own validation, so it stops there), which keeps MPI's state consistent.
+    progress("at the barrier");
     MPI_Barrier(group.mpi);
+    progress("past the barrier");
     if (absent) {
       options.num_iterations = 0;
       EXPECT_EQ(
@@ -75,7 +90,9 @@ TEST_F(Reliability, ARankThatNeverCallsEndsInATimeoutOnTheOthers) {
           SHARDMUON_ERROR_INVALID_ARGUMENT)
           << shardmuon_last_error();
     }
+    progress("destroying the communicator");
     EXPECT_EQ(shardmuon_comm_destroy(comm), SHARDMUON_SUCCESS);
+    progress("destroyed");
   }
 }
 
