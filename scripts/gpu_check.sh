@@ -13,7 +13,7 @@ export PATH="/opt/torch/.venv/bin:$PATH:/usr/local/cuda/bin" OPENBLAS_NUM_THREAD
 export SHARDMUON_TEST_REPORT_ERRORS=1  # the tests print each case's error and tolerance
 mpi=(mpirun --allow-run-as-root --oversubscribe -x NCCL_NVLS_ENABLE -x TORCH_SYMM_MEM_DISABLE_MULTICAST
      -x NVSHMEM_DISABLE_NVLS -x OPENBLAS_NUM_THREADS -x SHARDMUON_TEST_REPORT_ERRORS)
-what="${1:-all}"  # all | tests | torch | final | timeout | bench
+what="${1:-all}"  # all | tests | torch | final | timeout | speed
 gpus=$(nvidia-smi -L | wc -l)
 nvidia-smi -L
 echo "gpus: $gpus"
@@ -64,6 +64,27 @@ timeout_injection() {
   grep -E "^\[rank|Failure" "$log" | head -20
   results+=("NCCL timeout injection (2 GPUs): rc=$rc after ${waited}s $(grep -E 'PASSED|FAILED  \]' "$log" | sed 's/\x1b\[[0-9;]*m//g' | tr '\n' ' ')")
 }
+if [[ "$what" == "speed" ]]; then
+  # The CUDA tests on 1 and 2 GPUs, the fault injection, then the Newton-Schulz benchmark
+  # (bench/bench_newton_schulz.py; its table goes to $out).
+  for ranks in 1 2; do
+    log="$out/tests_np$ranks.log"
+    timeout 240 "${mpi[@]}" -np $ranks $build/tests/shardmuon_tests --backend=cuda --gtest_brief=1 \
+      --gtest_filter='-Reliability.ARankThatNeverCalls*' >"$log" 2>&1
+    rc=$?
+    grep -E "^\[rank|Failure|FAILED" "$log" | head -20
+    results+=("cuda tests on $ranks GPU(s): rc=$rc $(grep -E 'PASSED|FAILED  \]|SKIPPED \]' "$log" | sed 's/\x1b\[[0-9;]*m//g' | tr '\n' ' ')")
+    results+=("  largest error/tolerance: $(grep -o 'ratio=[0-9.]*' "$log" | sort -t= -k2 -g | tail -1) over $(grep -c 'ratio=' "$log") checked cases")
+  done
+  timeout_injection
+  export SHARDMUON_LIBRARY="$root/$build/libshardmuon.so"
+  timeout "${BENCH_TIMEOUT:-300}" torchrun --nproc_per_node="$gpus" bench/bench_newton_schulz.py --out "$out" \
+    ${BENCH_ARGS:-} >"$out/bench.log" 2>&1
+  results+=("benchmark: rc=$? $(grep -c '^| [0-9]' "$out/bench.log") rows; $(grep accuracy "$out/bench.log")")
+  tail -5 "$out/bench.log"
+  printf '%s\n' "${results[@]}"
+  exit 0
+fi
 if [[ "$what" == "timeout" ]]; then
   timeout_injection
   printf '%s\n' "${results[@]}"

@@ -20,6 +20,8 @@ BACKEND_CPU, BACKEND_CUDA = 0, 1
 REPLICATED, SHARDED_DIM0, SHARDED_DIM1 = 0, 1, 2
 SCHEDULES = {"simple": 0, "quintic": 1, "polar_express": 2, "cans": 3, "aol": 4, "custom": 5}
 ALGORITHMS = {"auto": 0, "duplicated": 1, "gram_allreduce": 2}
+# What shardmuon_ns_plan reports besides ALGORITHMS' codes.
+PLAN_NAMES = {1: "duplicated", 2: "gram_allreduce", 100: "local", 101: "gram_allreduce_redistributed"}
 WEIGHT_DECAY_MODES = {"decoupled": 0, "l2": 1, "independent": 2, "none": 3}
 SCALE_MODES = {"spectral": 0, "shape_scaling": 1, "unit_rms_norm": 2, "none": 3}
 
@@ -174,6 +176,15 @@ _signatures = {
         _c_status,
         [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(Layout),
          ctypes.POINTER(NsOptions), ctypes.c_void_p],
+    ),
+    "shardmuon_ns_plan": (
+        _c_status,
+        [ctypes.POINTER(Layout), ctypes.c_int, ctypes.POINTER(NsOptions), ctypes.POINTER(ctypes.c_int)],
+    ),
+    "shardmuon_schedule_coefficients": (
+        _c_status,
+        [ctypes.c_int, ctypes.c_int, ctypes.POINTER(NsOptions), ctypes.POINTER(ctypes.c_double),
+         ctypes.POINTER(ctypes.c_double), ctypes.POINTER(ctypes.c_double)],
     ),
     "shardmuon_muon_step": (
         _c_status,

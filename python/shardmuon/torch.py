@@ -27,7 +27,7 @@ import torch.distributed as dist
 from . import _capi as c
 from ._runtime import Communicator, Context, group_rank, group_size, normalize_group
 
-__all__ = ["Muon", "MuonWithAdamW", "muon_param_groups", "load_resharded_state_dict"]
+__all__ = ["Muon", "MuonWithAdamW", "NewtonSchulz", "muon_param_groups", "load_resharded_state_dict"]
 
 _DTYPES = {torch.float32: c.FLOAT32, torch.bfloat16: c.BFLOAT16, torch.float64: c.FLOAT64}
 
@@ -429,3 +429,82 @@ def load_resharded_state_dict(optimizer: Muon, state_dicts: Sequence[Dict[str, A
                 state[key] = value
         result["state"][index] = state
     optimizer.load_state_dict(result)
+
+
+class NewtonSchulz:
+    """Muon's orthogonalization on its own: ``ns(shard, shape, partition_dim, shard_sizes)``
+    replaces, in place, this rank's shard of a matrix of ``shape`` with its shard of the
+    Newton-Schulz result of the whole matrix (the gathered matrix, normalized by its global
+    Frobenius norm, then ``ns_steps`` iterations). Collective over ``process_group`` when the
+    matrix is sharded (``partition_dim`` 0 or 1, ``shard_sizes`` every rank's extent along it,
+    default: even); ``partition_dim=None`` means every rank holds the whole matrix.
+    """
+
+    def __init__(self, process_group=None, *, ns_steps: int = 5, coefficient_type: str = "quintic",
+                 eps: float = 1e-7, algorithm: str = "auto"):
+        self.process_group = normalize_group(process_group)
+        self._options = c.NsOptions()
+        c.check(c.lib.shardmuon_ns_options_default(ctypes.byref(self._options)))
+        if coefficient_type not in c.SCHEDULES or coefficient_type == "custom":
+            raise ValueError(f"shardmuon: coefficient_type {coefficient_type!r} is not one of "
+                             f"{sorted(set(c.SCHEDULES) - {'custom'})}")
+        if algorithm not in c.ALGORITHMS:
+            raise ValueError(f"shardmuon: algorithm {algorithm!r} is not one of {sorted(c.ALGORITHMS)}")
+        self._options.num_iterations = int(ns_steps)
+        self._options.schedule = c.SCHEDULES[coefficient_type]
+        self._options.eps = float(eps)
+        self._options.algorithm = c.ALGORITHMS[algorithm]
+        self._runtimes = {}
+
+    def coefficients(self):
+        """The (a, b, c) of every iteration."""
+        result = []
+        for k in range(self._options.num_iterations):
+            abc = [ctypes.c_double() for _ in range(3)]
+            c.check(c.lib.shardmuon_schedule_coefficients(
+                self._options.schedule, k, ctypes.byref(self._options), *[ctypes.byref(x) for x in abc]))
+            result.append(tuple(x.value for x in abc))
+        return result
+
+    def _layout(self, shape, partition_dim, shard_sizes, keepalive):
+        rows, cols = (int(x) for x in shape)
+        size = group_size(self.process_group)
+        if partition_dim is None or size == 1:
+            return c.Layout(rows, cols, c.REPLICATED, 1, None)
+        if partition_dim not in (0, 1):
+            raise ValueError(f"shardmuon: partition_dim must be 0, 1 or None, got {partition_dim!r}")
+        extent = (rows, cols)[partition_dim]
+        if shard_sizes is None:
+            shard_sizes = [extent // size + (1 if r < extent % size else 0) for r in range(size)]
+        array = (ctypes.c_int64 * len(shard_sizes))(*[int(x) for x in shard_sizes])
+        keepalive.append(array)
+        kind = c.SHARDED_DIM0 if partition_dim == 0 else c.SHARDED_DIM1
+        return c.Layout(rows, cols, kind, len(shard_sizes), array)
+
+    def plan(self, shape, partition_dim=None, shard_sizes=None) -> str:
+        """The algorithm a call with these arguments runs (no communication)."""
+        keepalive = []
+        layout = self._layout(shape, partition_dim, shard_sizes, keepalive)
+        chosen = ctypes.c_int()
+        c.check(c.lib.shardmuon_ns_plan(ctypes.byref(layout), group_size(self.process_group),
+                                        ctypes.byref(self._options), ctypes.byref(chosen)))
+        return c.PLAN_NAMES.get(chosen.value, str(chosen.value))
+
+    @torch.no_grad()
+    def __call__(self, shard: torch.Tensor, shape, partition_dim=None, shard_sizes=None) -> torch.Tensor:
+        if shard.dtype not in _DTYPES or not shard.is_contiguous():
+            raise ValueError(f"shardmuon: the shard must be a contiguous float32, bfloat16 or float64 "
+                             f"tensor, got {shard.dtype} (contiguous: {shard.is_contiguous()})")
+        if shard.device not in self._runtimes:
+            self._runtimes[shard.device] = (Context(shard.device), Communicator(self.process_group, shard.device))
+        context, comm = self._runtimes[shard.device]
+        keepalive = []
+        layout = self._layout(shape, partition_dim, shard_sizes, keepalive)
+        stream = torch.cuda.current_stream(shard.device).cuda_stream if shard.is_cuda else None
+        status = c.lib.shardmuon_newton_schulz(
+            context.handle, comm.handle, ctypes.c_void_p(shard.data_ptr() if shard.numel() else None),
+            _DTYPES[shard.dtype], ctypes.byref(layout), ctypes.byref(self._options), ctypes.c_void_p(stream))
+        comm.raise_callback_error()
+        c.check(status)
+        return shard
+

@@ -1,0 +1,368 @@
+"""Newton-Schulz benchmark, nccl-tests style: shardmuon against what PyTorch users run today,
+on the same inputs, in the same run, with every result checked against float64.
+
+    torchrun --nproc_per_node=2 bench/bench_newton_schulz.py [--shapes 8192x28672,...]
+        [--dtypes bf16,fp32] [--schedules quintic:5,polar_express:8] [--repeats 10] [--out DIR]
+
+One process per GPU. Rows of the table:
+  - 1 GPU: each rank orthogonalizes a whole matrix on its own GPU. Baseline: torch.optim.Muon's
+    Newton-Schulz (its own function for bf16 quintic; the same code form, A = X X^T,
+    B = b A + c A A, X = a X + B X, for other dtypes and schedules).
+  - 2 GPUs, sharded along dim 0 or 1 (uneven where the extent is odd). Baselines:
+    all-gather then the torch Newton-Schulz on every rank ("all-gather"), and the
+    per-iteration Gram all-reduce in PyTorch ("gram": A_r = X_r X_r^T, all_reduce(A), on
+    long-side shards; short-side shards are first moved to long-side ones with one
+    all_to_all and moved back after, as the library's (d) does).
+Times: CUDA events around one call, after warm-ups, median over repeats, the slowest rank's
+median. Useful TFLOP/s counts K (4 s^2 L + 2 s^3) for an s x L matrix (s <= L) whatever the
+algorithm. The floor is shardmuon's executed GEMM flops per GPU (its symmetric products
+included) over the GEMM rate measured at the start of the run, plus the communication it
+cannot hide at the all-reduce / all-to-all rates measured there.
+Errors: relative Frobenius distance to a float64 Newton-Schulz of the gathered matrix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+from shardmuon.torch import NewtonSchulz  # noqa: E402
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+TOLERANCE = {"bf16": 3e-2, "fp32": 1e-4}  # DESIGN.md section 4
+EPS = 1e-7
+
+
+def parse_shape(text):
+    rows, cols = text.lower().split("x")
+    return int(rows), int(cols)
+
+
+def even_split(extent, parts):
+    return [extent // parts + (1 if r < extent % parts else 0) for r in range(parts)]
+
+
+def offsets_of(sizes):
+    out, total = [], 0
+    for size in sizes:
+        out.append(total)
+        total += size
+    return out
+
+
+# -- the baselines (plain PyTorch) -------------------------------------------------------------
+
+def torch_newton_schulz(matrix, coefficients, dtype):
+    """torch.optim.Muon's Newton-Schulz form in `dtype` (it runs bf16 with one (a, b, c))."""
+    x = matrix.to(dtype)
+    transposed = x.size(0) > x.size(1)
+    if transposed:
+        x = x.mT
+    x = x / x.norm().clamp(min=EPS)
+    for a, b, c in coefficients:
+        gram = x @ x.mT
+        update = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.addmm(x, update, x, beta=a)
+    return x.mT if transposed else x
+
+
+def torch_optim_muon_function():
+    """torch.optim.Muon's own Newton-Schulz function, where this PyTorch has it."""
+    try:
+        from torch.optim import _muon
+        function = _muon._zeropower_via_newtonschulz
+        function(torch.randn(8, 16, device="cuda"), (3.4445, -4.7750, 2.0315), 5, EPS)
+        return function
+    except Exception:  # absent, or another signature: its form below stands in
+        return None
+
+
+def gram_all_reduce_newton_schulz(wide_shard, coefficients, group=None):
+    """The per-iteration Gram all-reduce on a long-side shard X_r (s x L_r, a view)."""
+    x = wide_shard
+    squares = x.float().square().sum()
+    dist.all_reduce(squares, group=group)
+    x = x / squares.sqrt().clamp(min=EPS).to(x.dtype)
+    for a, b, c in coefficients:
+        gram = x @ x.mT
+        dist.all_reduce(gram, group=group)
+        update = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.addmm(x, update, x, beta=a)
+    return x
+
+
+def move_to_long_side(shard, shape, dim, short_sizes, long_sizes, rank):
+    """Short-side shards (along dim) to long-side shards (along the other dim): one all_to_all."""
+    other = 1 - dim
+    long_offsets = offsets_of(long_sizes)
+    sends = [shard.narrow(other, long_offsets[q], long_sizes[q]).contiguous() for q in range(len(long_sizes))]
+    receives = []
+    for q, size in enumerate(short_sizes):
+        extent = [0, 0]
+        extent[dim], extent[other] = size, long_sizes[rank]
+        receives.append(torch.empty(extent, dtype=shard.dtype, device=shard.device))
+    dist.all_to_all(receives, sends)
+    return torch.cat(receives, dim=dim)
+
+
+def move_back(block, shape, dim, short_sizes, long_sizes, rank, out):
+    other = 1 - dim
+    short_offsets = offsets_of(short_sizes)
+    sends = [block.narrow(dim, short_offsets[q], short_sizes[q]).contiguous() for q in range(len(short_sizes))]
+    receives = []
+    for q, size in enumerate(long_sizes):
+        extent = [0, 0]
+        extent[dim], extent[other] = short_sizes[rank], size
+        receives.append(torch.empty(extent, dtype=block.dtype, device=block.device))
+    dist.all_to_all(receives, sends)
+    out.copy_(torch.cat(receives, dim=other))
+
+
+# -- measuring ------------------------------------------------------------------------------
+
+class Timer:
+    def __init__(self, warmups, repeats, world):
+        self.warmups, self.repeats, self.world = warmups, repeats, world
+
+    def median_ms(self, prepare, run, across_ranks=True):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        for i in range(self.warmups + self.repeats):
+            prepare()
+            torch.cuda.synchronize()
+            if self.world > 1:
+                dist.barrier()
+            start.record()
+            run()
+            end.record()
+            end.synchronize()
+            if i >= self.warmups:
+                times.append(start.elapsed_time(end))
+        median = torch.tensor(statistics.median(times), device="cuda")
+        if self.world > 1 and across_ranks:
+            dist.all_reduce(median, op=dist.ReduceOp.MAX)
+        return float(median)
+
+
+def measure_rates(timer, world):
+    """The ceilings of this run: GEMM rates, all-reduce bus bandwidth, all-to-all rate."""
+    rates = {}
+    for name, dtype, n in (("bf16", torch.bfloat16, 8192), ("fp32", torch.float32, 4096)):
+        a = torch.randn(n, n, device="cuda").to(dtype)
+        b = torch.randn(n, n, device="cuda").to(dtype)
+        ms = timer.median_ms(lambda: None, lambda: a @ b, across_ranks=False)
+        rates["gemm_" + name] = 2 * n**3 / (ms * 1e-3)
+    if world > 1:
+        buffer = torch.randn(64 * 2**20, device="cuda")  # 256 MiB of float32
+        ms = timer.median_ms(lambda: None, lambda: dist.all_reduce(buffer))
+        rates["all_reduce_bus"] = buffer.numel() * 4 * 2 * (world - 1) / world / (ms * 1e-3)
+        send = torch.randn(64 * 2**20, device="cuda")
+        recv = torch.empty_like(send)
+        ms = timer.median_ms(lambda: None, lambda: dist.all_to_all_single(recv, send))
+        rates["all_to_all"] = send.numel() * 4 * (world - 1) / world / (ms * 1e-3)  # bytes leaving a rank
+    return rates
+
+
+def triangle_elements(s, target=1024, max_blocks=16):
+    """Elements of the packed lower block columns: mirrors SymmetricTiles::split and the
+    CUDA backend's block target (src/core/symmetric_tiles.h)."""
+    blocks = min(max(s // target, 1), max_blocks)
+    width = (s // blocks) // 32 * 32
+    if width == 0:
+        blocks = 1
+    starts = [j * width for j in range(blocks)] + [s]
+    return sum((s - starts[j]) * (starts[j + 1] - starts[j]) for j in range(blocks)), s - starts[-2]
+
+
+def floor_ms(s, length, iterations, rates, dtype_name, world, algorithm, accumulate_bytes=4):
+    """shardmuon's executed GEMM flops over the measured GEMM rate, plus the communication
+    it cannot hide: the last block column of each Gram all-reduce, and for (d) the two
+    all-to-alls."""
+    packed, last_width = triangle_elements(s)
+    local_length = length / world if world > 1 else length
+    flops = iterations * (2 * packed * local_length + 2 * packed * s + 2 * s * s * local_length)
+    compute = flops / rates["gemm_" + dtype_name] * 1e3
+    comm = 0.0
+    if world > 1 and algorithm.startswith("gram"):
+        tail = last_width * last_width * accumulate_bytes
+        comm += iterations * tail * 2 * (world - 1) / world / rates["all_reduce_bus"] * 1e3
+        if algorithm.endswith("redistributed"):
+            element = 2 if dtype_name == "bf16" else 4
+            comm += 2 * (s * length / world) * element * (world - 1) / world / rates["all_to_all"] * 1e3
+    return compute, comm
+
+
+def relative_error(result, reference):
+    return float((result.double() - reference).norm() / reference.norm())
+
+
+def gather_shards(shard, dim, sizes, world):
+    """The whole matrix from uneven shards (padded to the largest for all_gather)."""
+    largest = max(sizes)
+    extent = list(shard.shape)
+    extent[dim] = largest
+    padded = torch.zeros(extent, dtype=shard.dtype, device=shard.device)
+    padded.narrow(dim, 0, shard.shape[dim]).copy_(shard)
+    blocks = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(blocks, padded)
+    return torch.cat([b.narrow(dim, 0, sizes[r]) for r, b in enumerate(blocks)], dim=dim)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", default="4096x4096,4096x14336,14336x4096,8192x8192,8192x28672,"
+                        "28672x8192,16384x16384,3001x10007")
+    parser.add_argument("--dtypes", default="bf16,fp32")
+    parser.add_argument("--fp32-shapes", default="4096x4096,4096x14336,3001x10007",
+                        help="fp32 runs only these (its GEMMs run at a tenth of bf16's rate)")
+    parser.add_argument("--schedules", default="quintic:5,polar_express:8")
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--warmups", type=int, default=2)
+    parser.add_argument("--out", default=os.environ.get("OUT", "out/bench"))
+    args = parser.parse_args()
+
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    if world > 1:
+        dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+    # The 1-GPU rows run over a group of one (no cross-rank argument check in the call).
+    alone = dist.new_subgroups(group_size=1)[0] if world > 1 else None
+    timer = Timer(args.warmups, args.repeats, world)
+    rates = measure_rates(timer, world)
+    optim_muon = torch_optim_muon_function()
+
+    lines = []
+
+    def emit(text):
+        if rank == 0:
+            print(text, flush=True)
+            lines.append(text)
+
+    emit(f"# shardmuon Newton-Schulz benchmark: {torch.cuda.get_device_name()} x {world}, "
+         f"torch {torch.__version__}, NCCL {torch.cuda.nccl.version()}, "
+         f"torch.optim.Muon function {'found' if optim_muon else 'not found'}")
+    emit("rates measured in this run: " + ", ".join(
+        f"{k} {v / 1e12:.1f} TFLOP/s" if k.startswith("gemm") else f"{k} {v / 1e9:.0f} GB/s"
+        for k, v in rates.items()))
+    emit("")
+    emit("| shape | dtype | schedule | GPUs | shards | algorithm | shardmuon (ms) | useful TFLOP/s | "
+         "error | passes | torch 1-GPU (ms) | x | all-gather (ms) | x | gram (ms) | x | "
+         "floor (ms) compute+comm | time/floor |")
+    emit("|" + "---|" * 18)
+
+    failures = 0
+    for dtype_name in args.dtypes.split(","):
+        dtype = DTYPES[dtype_name]
+        shapes = args.shapes if dtype_name == "bf16" else args.fp32_shapes
+        for shape_text in shapes.split(","):
+            rows, cols = parse_shape(shape_text)
+            s, length = min(rows, cols), max(rows, cols)
+            for schedule_text in args.schedules.split(","):
+                schedule, steps = schedule_text.split(":")
+                steps = int(steps)
+                ns_local = NewtonSchulz(alone, ns_steps=steps, coefficient_type=schedule)
+                coefficients = ns_local.coefficients()
+                useful = steps * (4 * s * s * length + 2 * s**3)
+                generator = torch.Generator(device="cuda").manual_seed(1000 + rows + cols)
+                matrix = torch.randn(rows, cols, device="cuda", generator=generator).to(dtype)
+                reference = torch_newton_schulz(matrix.double(), coefficients, torch.float64)
+                tolerance = TOLERANCE[dtype_name]
+
+                # One GPU: every rank on its own.
+                work = torch.empty_like(matrix)
+                ms = timer.median_ms(lambda: work.copy_(matrix), lambda: ns_local(work, (rows, cols)),
+                                     across_ranks=False)
+                error = relative_error(work, reference)
+                use_own = optim_muon is not None and dtype_name == "bf16" and schedule == "quintic"
+
+                def torch_one():
+                    if use_own:
+                        return optim_muon(matrix, coefficients[0], steps, EPS)
+                    return torch_newton_schulz(matrix, coefficients, dtype)
+
+                torch_ms = timer.median_ms(lambda: None, torch_one, across_ranks=False)
+                torch_error = relative_error(torch_one(), reference)
+                compute, comm = floor_ms(s, length, steps, rates, dtype_name, 1, "local")
+                passes = error <= tolerance
+                failures += 0 if passes else 1
+                emit(f"| {rows}x{cols} | {dtype_name} | {schedule} {steps} | 1 | - | local | {ms:.2f} | "
+                     f"{useful / ms / 1e9:.0f} | {error:.2e} | {'yes' if passes else 'NO'} | "
+                     f"{torch_ms:.2f}{' (own fn)' if use_own else ''} err {torch_error:.1e} | "
+                     f"{torch_ms / ms:.2f} | | | | | {compute:.2f}+0 | {ms / compute:.2f} |")
+                if world == 1:
+                    continue
+
+                for dim in (0, 1):
+                    extent = (rows, cols)[dim]
+                    sizes = even_split(extent, world)
+                    offset = offsets_of(sizes)[rank]
+                    shard = matrix.narrow(dim, offset, sizes[rank]).contiguous()
+                    ns = NewtonSchulz(dist.group.WORLD, ns_steps=steps, coefficient_type=schedule)
+                    algorithm = ns.plan((rows, cols), dim, sizes)
+                    work = torch.empty_like(shard)
+                    ms = timer.median_ms(lambda: work.copy_(shard), lambda: ns(work, (rows, cols), dim, sizes))
+                    error = relative_error(gather_shards(work, dim, sizes, world), reference)
+
+                    def all_gather_baseline():
+                        whole = gather_shards(shard, dim, sizes, world)
+                        return torch_newton_schulz(whole, coefficients, dtype).narrow(dim, offset, sizes[rank])
+
+                    gather_ms = timer.median_ms(lambda: None, all_gather_baseline)
+                    gather_error = relative_error(gather_shards(all_gather_baseline().contiguous(), dim, sizes, world), reference)
+
+                    long_dim = 1 if cols >= rows else 0
+                    gram_out = torch.empty_like(shard)
+                    if dim == long_dim:
+                        def gram_baseline():
+                            wide = shard if long_dim == 1 else shard.mT
+                            result = gram_all_reduce_newton_schulz(wide, coefficients)
+                            gram_out.copy_(result if long_dim == 1 else result.mT)
+                    else:
+                        long_sizes = even_split((rows, cols)[long_dim], world)
+
+                        def gram_baseline():
+                            block = move_to_long_side(shard, (rows, cols), dim, sizes, long_sizes, rank)
+                            wide = block if long_dim == 1 else block.mT
+                            result = gram_all_reduce_newton_schulz(wide, coefficients)
+                            result = result if long_dim == 1 else result.mT
+                            move_back(result, (rows, cols), dim, sizes, long_sizes, rank, gram_out)
+
+                    gram_ms = timer.median_ms(lambda: None, gram_baseline)
+                    gram_baseline()
+                    gram_error = relative_error(gather_shards(gram_out, dim, sizes, world), reference)
+                    compute, comm = floor_ms(s, length, steps, rates, dtype_name, world, algorithm)
+                    passes = error <= tolerance
+                    failures += 0 if passes else 1
+                    uneven = "" if len(set(sizes)) == 1 else " uneven"
+                    emit(f"| {rows}x{cols} | {dtype_name} | {schedule} {steps} | {world} | dim {dim}{uneven} | "
+                         f"{algorithm} | {ms:.2f} | {useful / ms / 1e9:.0f} | {error:.2e} | "
+                         f"{'yes' if passes else 'NO'} | | | {gather_ms:.2f} err {gather_error:.1e} | "
+                         f"{gather_ms / ms:.2f} | {gram_ms:.2f} err {gram_error:.1e} | {gram_ms / ms:.2f} | "
+                         f"{compute:.2f}+{comm:.2f} | {ms / (compute + comm):.2f} |")
+                del matrix, reference, work
+                torch.cuda.empty_cache()
+
+    emit("")
+    emit(f"accuracy: {failures} shardmuon result(s) outside the tolerance (bf16 3e-2, fp32 1e-4)")
+    if rank == 0:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, f"bench_newton_schulz_{world}gpu.md"), "w") as f:
+            f.write("\n".join(lines) + "\n")
+    if world > 1:
+        dist.destroy_process_group()
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()
