@@ -170,9 +170,11 @@ def measure_rates(timer, world):
     return rates
 
 
-def triangle_elements(s, target=1024, max_blocks=16):
+def triangle_elements(s, target=None, max_blocks=16):
     """Elements of the packed lower block columns: mirrors SymmetricTiles::split and the
-    CUDA backend's block target (src/core/symmetric_tiles.h)."""
+    CUDA backend's block target (src/core/symmetric_tiles.h, src/cuda/cuda_backend.cpp)."""
+    if target is None:
+        target = int(os.environ.get("SHARDMUON_SYMMETRIC_BLOCK", "1024"))
     blocks = min(max(s // target, 1), max_blocks)
     width = (s // blocks) // 32 * 32
     if width == 0:
@@ -185,6 +187,7 @@ def floor_ms(s, length, iterations, rates, dtype_name, world, algorithm, accumul
     """shardmuon's executed GEMM flops over the measured GEMM rate, plus the communication
     it cannot hide: the last block column of each Gram all-reduce, and for (d) the two
     all-to-alls."""
+    s, length = -(-s // 8) * 8, -(-length // 8) * 8  # the library pads to multiples of 8
     packed, last_width = triangle_elements(s)
     local_length = length / world if world > 1 else length
     flops = iterations * (2 * packed * local_length + 2 * packed * s + 2 * s * s * local_length)
@@ -223,8 +226,10 @@ def main():
     parser.add_argument("--fp32-shapes", default="4096x4096,4096x14336,3001x10007",
                         help="fp32 runs only these (its GEMMs run at a tenth of bf16's rate)")
     parser.add_argument("--schedules", default="quintic:5,polar_express:8")
+    parser.add_argument("--algorithm", default="auto", help="shardmuon's algorithm on sharded inputs")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--warmups", type=int, default=2)
+    parser.add_argument("--tag", default="", help="appended to the table's file name")
     parser.add_argument("--out", default=os.environ.get("OUT", "out/bench"))
     args = parser.parse_args()
 
@@ -308,7 +313,8 @@ def main():
                     sizes = even_split(extent, world)
                     offset = offsets_of(sizes)[rank]
                     shard = matrix.narrow(dim, offset, sizes[rank]).contiguous()
-                    ns = NewtonSchulz(dist.group.WORLD, ns_steps=steps, coefficient_type=schedule)
+                    ns = NewtonSchulz(dist.group.WORLD, ns_steps=steps, coefficient_type=schedule,
+                                      algorithm=args.algorithm)
                     algorithm = ns.plan((rows, cols), dim, sizes)
                     work = torch.empty_like(shard)
                     ms = timer.median_ms(lambda: work.copy_(shard), lambda: ns(work, (rows, cols), dim, sizes))
@@ -357,7 +363,7 @@ def main():
     emit(f"accuracy: {failures} shardmuon result(s) outside the tolerance (bf16 3e-2, fp32 1e-4)")
     if rank == 0:
         os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, f"bench_newton_schulz_{world}gpu.md"), "w") as f:
+        with open(os.path.join(args.out, f"bench_newton_schulz_{world}gpu{args.tag}.md"), "w") as f:
             f.write("\n".join(lines) + "\n")
     if world > 1:
         dist.destroy_process_group()

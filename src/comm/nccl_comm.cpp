@@ -59,10 +59,12 @@ class NcclCommunicator final : public Communicator {
   }
 
   ~NcclCommunicator() override {
-    // After a timeout the private all-reduce may still be waiting for a late rank: destroying
-    // its communicator or freeing its buffers would block on it, so they are then left to the
-    // process (a few bytes, one communicator).
-    if (timed_out_ && cudaStreamQuery(check_stream_.get()) == cudaErrorNotReady) {
+    // After a timeout the private all-reduce may still be waiting for a late rank. Give it
+    // up to the timeout once more to finish (the late rank may be on its way, as when every
+    // rank tears down after a fault); if it does, everything is released as usual. If not,
+    // destroying its communicator or freeing its buffers would block on it, so they are
+    // left to the process (a few bytes, one communicator).
+    if (timed_out_ && !wait_for_check_stream(timeout_seconds())) {
       check_comm_.release();
       check_stream_.release();
       check_device_.release();
@@ -152,6 +154,18 @@ class NcclCommunicator final : public Communicator {
   }
 
  private:
+  // Polls the private stream for up to `seconds`; true once its work has finished.
+  bool wait_for_check_stream(double seconds) const {
+    const auto start = std::chrono::steady_clock::now();
+    for (;;) {
+      const cudaError_t state = cudaStreamQuery(check_stream_.get());
+      if (state != cudaErrorNotReady) return state == cudaSuccess;
+      if (std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() > seconds)
+        return false;
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  }
+
   ncclComm_t comm_ = nullptr;  // the caller's, borrowed
   // Private to agree_max. Declared in creation order so they are released in reverse.
   bool timed_out_ = false;

@@ -4,6 +4,8 @@
 
 #include <cuda_runtime_api.h>
 
+#include <cstdlib>
+
 #include "core/dtype.h"
 #include "core/error.h"
 #include "cuda/cublaslt_gemm.h"
@@ -39,6 +41,13 @@ class CudaBackend final : public Backend {
     SHARDMUON_CUDA(cudaDeviceGetStreamPriorityRange(&lowest, &highest));
     side_stream_ = make_nonblocking_stream(highest);
     status_ = make_device_memory(kStatusBytes);
+    // $SHARDMUON_SYMMETRIC_BLOCK overrides the block width, for tuning (bench/).
+    if (const char* text = std::getenv("SHARDMUON_SYMMETRIC_BLOCK")) {
+      const long long value = std::atoll(text);
+      SHARDMUON_CHECK_ARG(value > 0, "SHARDMUON_SYMMETRIC_BLOCK must be a positive integer, not '",
+                          text, "'");
+      symmetric_block_target_ = value;
+    }
     SHARDMUON_CUDA(cudaMemset(status_.get(), 0, kStatusBytes));
   }
 
@@ -186,9 +195,7 @@ class CudaBackend final : public Backend {
     if (has_last_stream_) SHARDMUON_CUDA(cudaEventSynchronize(last_call_done_.get()));
   }
 
-  // 1024-column blocks: GEMMs of that width still run near the peak rate, and a matrix of
-  // side 8192 computes 9/16 of the full product.
-  int64_t symmetric_block_target() const override { return 1024; }
+  int64_t symmetric_block_target() const override { return symmetric_block_target_; }
 
   void unpack_symmetric(const void* packed, shardmuon_dtype src_type, const SymmetricTiles& tiles,
                         void* dst, shardmuon_dtype dst_type, double shift, Stream stream) override {
@@ -218,6 +225,9 @@ class CudaBackend final : public Backend {
   int caller_device_ = 0;
   std::unique_ptr<CublasLtGemm> gemm_;
   UniqueEvent last_call_done_;
+  // Blocks of 1024 columns by default: GEMMs of that width still run near the peak rate,
+  // and a matrix of side 8192 then computes 9/16 of the full product.
+  int64_t symmetric_block_target_ = 1024;
   UniqueEvent ordering_;      // order_after's
   UniqueStream side_stream_;  // side_stream's
   static constexpr size_t kStatusBytes = 64;
