@@ -82,17 +82,13 @@ if [[ "$what" == "speed" ]]; then
     ${BENCH_ARGS:-} >"$out/bench.log" 2>&1
   results+=("benchmark: rc=$? $(grep -c '^| [0-9]' "$out/bench.log") rows; $(grep accuracy "$out/bench.log")")
   tail -5 "$out/bench.log"
-  # Optional: the symmetric products' block width, and the duplicated algorithm, on a few shapes.
-  for target in ${BENCH_SWEEP:-}; do
-    SHARDMUON_SYMMETRIC_BLOCK=$target timeout 120 torchrun --nproc_per_node="$gpus" bench/bench_newton_schulz.py \
-      --out "$out" --tag "_block$target" --shapes "${SWEEP_SHAPES:-4096x4096,8192x8192,8192x28672}" \
+  # Optional tuning sweeps on a few shapes: BENCH_SWEEP="SHARDMUON_COMM_SMS=16 ..." runs the
+  # benchmark once per setting (an environment assignment the library reads).
+  for setting in ${BENCH_SWEEP:-}; do
+    env "$setting" timeout 120 torchrun --nproc_per_node="$gpus" bench/bench_newton_schulz.py \
+      --out "$out" --tag "_${setting//=/_}" --shapes "${SWEEP_SHAPES:-4096x14336,8192x8192,8192x28672}" \
       --dtypes bf16 --schedules quintic:5 --repeats 7 >"$out/sweep.log" 2>&1
   done
-  if [[ -n "${BENCH_SWEEP:-}" ]]; then
-    timeout 120 torchrun --nproc_per_node="$gpus" bench/bench_newton_schulz.py --out "$out" --tag _duplicated \
-      --algorithm duplicated --shapes "${SWEEP_SHAPES:-4096x4096,8192x8192,8192x28672}" --dtypes bf16 \
-      --schedules quintic:5 --repeats 7 >"$out/sweep.log" 2>&1
-  fi
   printf '%s\n' "${results[@]}"
   exit 0
 fi

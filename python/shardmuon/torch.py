@@ -469,10 +469,10 @@ class NewtonSchulz:
     def _layout(self, shape, partition_dim, shard_sizes, keepalive):
         rows, cols = (int(x) for x in shape)
         size = group_size(self.process_group)
+        if partition_dim not in (0, 1, None):
+            raise ValueError(f"shardmuon: partition_dim must be 0, 1 or None, got {partition_dim!r}")
         if partition_dim is None or size == 1:
             return c.Layout(rows, cols, c.REPLICATED, 1, None)
-        if partition_dim not in (0, 1):
-            raise ValueError(f"shardmuon: partition_dim must be 0, 1 or None, got {partition_dim!r}")
         extent = (rows, cols)[partition_dim]
         if shard_sizes is None:
             shard_sizes = [extent // size + (1 if r < extent % size else 0) for r in range(size)]
@@ -500,6 +500,17 @@ class NewtonSchulz:
         context, comm = self._runtimes[shard.device]
         keepalive = []
         layout = self._layout(shape, partition_dim, shard_sizes, keepalive)
+        # The library sees a pointer only: the shard's extent is checked here.
+        expected = [layout.rows, layout.cols]
+        if layout.partition != c.REPLICATED:
+            dim = 0 if layout.partition == c.SHARDED_DIM0 else 1
+            if layout.num_shards != group_size(self.process_group):
+                raise ValueError(f"shardmuon: shard_sizes has {layout.num_shards} entries for a group of "
+                                 f"{group_size(self.process_group)} ranks")
+            expected[dim] = layout.shard_sizes[group_rank(self.process_group)]
+        if list(shard.shape) != expected:
+            raise ValueError(f"shardmuon: this rank's shard of the {layout.rows} x {layout.cols} matrix "
+                             f"must be {expected[0]} x {expected[1]}, got {tuple(shard.shape)}")
         stream = torch.cuda.current_stream(shard.device).cuda_stream if shard.is_cuda else None
         status = c.lib.shardmuon_newton_schulz(
             context.handle, comm.handle, ctypes.c_void_p(shard.data_ptr() if shard.numel() else None),

@@ -217,3 +217,39 @@ def test_muon_with_adamw_matches_torch_adamw_for_the_other_parameters():
     assert len(saved["state"]) == 5  # Muon's momentum and AdamW's moments, in one state dict
     optimizer.load_state_dict(saved)
     optimizer.step()
+
+
+@pytest.mark.parametrize("shape", [(7, 13), (13, 7), (1, 9), (40, 40)])
+@pytest.mark.parametrize("schedule,steps", [("quintic", 5), ("polar_express", 8)])
+def test_newton_schulz_matches_a_float64_iteration(shape, schedule, steps):
+    ns = st.NewtonSchulz(ns_steps=steps, coefficient_type=schedule)
+    coefficients = ns.coefficients()
+    assert len(coefficients) == steps
+    matrix = torch.randn(*shape, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    # The same iteration written out, in whichever orientation has the smaller Gram.
+    x = matrix if shape[0] <= shape[1] else matrix.T
+    x = x / x.norm().clamp(min=1e-7)
+    for a, b, c in coefficients:
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    expected = x if shape[0] <= shape[1] else x.T
+    result = matrix.clone()
+    assert ns(result, shape) is result
+    assert torch.allclose(result, expected, rtol=0, atol=1e-12)
+    assert ns.plan(shape) == "local"
+
+
+def test_newton_schulz_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="coefficient_type"):
+        st.NewtonSchulz(coefficient_type="cubic")
+    with pytest.raises(ValueError, match="algorithm"):
+        st.NewtonSchulz(algorithm="fastest")
+    ns = st.NewtonSchulz()
+    with pytest.raises(ValueError, match="contiguous"):
+        ns(torch.randn(8, 6).T, (6, 8))
+    with pytest.raises(ValueError, match="must be 4 x 6, got \\(4, 5\\)"):
+        ns(torch.randn(4, 5), (4, 6))
+    with pytest.raises(ValueError, match="partition_dim"):
+        ns(torch.randn(4, 6), (4, 6), partition_dim=2)
+    with pytest.raises(shardmuon.ShardmuonError, match="num_iterations"):
+        st.NewtonSchulz(ns_steps=0)(torch.randn(4, 6), (4, 6))

@@ -67,7 +67,8 @@ ValidatedNsCall validate_ns_call(shardmuon_context_t context, Communicator& comm
   }
 
   call.problem = NsProblem{dtype, shard_layout, coefficients_for(*options), options->eps,
-                           plan_newton_schulz(shard_layout, comm.size(), options->algorithm)};
+                           plan_newton_schulz(shard_layout, comm.size(), options->algorithm,
+                                              options->num_iterations)};
 
   Digest digest;
   digest.add(call.backend->kind()).add(dtype).add(layout->rows).add(layout->cols);
@@ -447,7 +448,8 @@ shardmuon_status shardmuon_ns_plan(const shardmuon_layout* layout, int comm_size
     shardmuon::validate_ns_options(*options);
     const auto shard_layout = shardmuon::ShardLayout::from_api(*layout, comm_size);
     const shardmuon::NsPlan plan =
-        shardmuon::plan_newton_schulz(shard_layout, comm_size, options->algorithm);
+        shardmuon::plan_newton_schulz(shard_layout, comm_size, options->algorithm,
+                                      options->num_iterations);
     switch (plan.algorithm) {
       case shardmuon::NsPlan::Algorithm::kLocal: *chosen = SHARDMUON_NS_LOCAL; break;
       case shardmuon::NsPlan::Algorithm::kDuplicated: *chosen = SHARDMUON_NS_DUPLICATED; break;

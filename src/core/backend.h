@@ -35,6 +35,11 @@ struct GemmCall {
   int64_t ldd = 0;
   shardmuon_dtype ab_type = SHARDMUON_FLOAT32;
   shardmuon_dtype cd_type = SHARDMUON_FLOAT32;
+  // The product runs while a collective on another stream needs SMs: a backend may leave
+  // some free for it (the CUDA backend's GEMMs can otherwise hold every SM until they end).
+  bool overlaps_communication = false;
+  // The number of SMs the product should plan for (0: all); set by the backend.
+  int sm_count_target = 0;
 };
 
 // Steps 1-3 of a Muon step, fused into one elementwise pass (float32 arithmetic, float64

@@ -167,8 +167,9 @@ ValidatedMuonStep validate_muon_step(const Backend& backend, const Communicator&
       }
       if (plan.has_grad) check_buffer(backend, p.grad, "grad", i, elements, p.dtype, ranges);
     }
-    plan.ns = NsProblem{p.dtype, layout, coefficients_for(group.ns), group.ns.eps,
-                        plan_newton_schulz(layout, comm.size(), group.ns.algorithm)};
+    plan.ns = NsProblem{
+        p.dtype, layout, coefficients_for(group.ns), group.ns.eps,
+        plan_newton_schulz(layout, comm.size(), group.ns.algorithm, group.ns.num_iterations)};
 
     digest.add(p.dtype).add(p.layout.rows).add(p.layout.cols).add(p.layout.partition);
     for (int64_t size : layout.shard_sizes()) digest.add(size);

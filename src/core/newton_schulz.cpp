@@ -4,6 +4,7 @@
 
 #include "core/dtype.h"
 #include "core/error.h"
+#include "core/ns_cost_model.h"
 #include "core/workspace_carver.h"
 
 namespace shardmuon {
@@ -147,6 +148,7 @@ void gram_product(Backend& backend, Communicator* comm, shardmuon_dtype dtype,
       call.cd_type = accumulate;
       call.c = call.d = column;
       call.ldc = call.ldd = tiles.rows(j);
+      call.overlaps_communication = comm != nullptr && j > 0;  // with block j-1's all-reduce
       if (block.long_side_is_cols) {  // operand is X^T (length x s): (X^T)^T X^T
         call.a = call.b = byte_offset(x, tiles.start(j) * block.length * element);
         call.transpose_a = true;
@@ -485,19 +487,25 @@ void run_redistributed(Backend& backend, Communicator& comm, const NsProblem& pr
 }  // namespace
 
 NsPlan plan_newton_schulz(const ShardLayout& layout, int comm_size,
-                          shardmuon_ns_algorithm requested) {
+                          shardmuon_ns_algorithm requested, int iterations) {
   NsPlan plan;
   if (!layout.is_sharded() || comm_size == 1) return plan;  // nothing to communicate
-  if (requested == SHARDMUON_NS_DUPLICATED) {
-    plan.algorithm = NsPlan::Algorithm::kDuplicated;
-    return plan;
-  }
-  // AUTO and GRAM_ALLREDUCE: (b) moves s^2 per iteration instead of the whole matrix and
-  // does no redundant work on the long side, so it is the better of the two for every
-  // sharded shape; the cost-model planner of the speed work refines this.
-  plan.algorithm = NsPlan::Algorithm::kGramAllReduce;
-  plan.redistributes = layout.sharded_dim() != layout.long_dim();
-  return plan;
+  NsPlan duplicated;
+  duplicated.algorithm = NsPlan::Algorithm::kDuplicated;
+  NsPlan gram;
+  gram.algorithm = NsPlan::Algorithm::kGramAllReduce;
+  gram.redistributes = layout.sharded_dim() != layout.long_dim();
+  if (requested == SHARDMUON_NS_DUPLICATED) return duplicated;
+  if (requested == SHARDMUON_NS_GRAM_ALLREDUCE) return gram;
+  // AUTO: the cheaper by the cost model. (b) wins for large matrices (it splits the long
+  // side's products and moves s^2 per iteration); (a) for small ones, whose time goes to
+  // the fixed costs of (b)'s collectives.
+  const NsCostInputs inputs{layout, comm_size, iterations};
+  const MachineModel machine;
+  return estimate_duplicated_seconds(inputs, machine) <
+                 estimate_gram_all_reduce_seconds(inputs, machine)
+             ? duplicated
+             : gram;
 }
 
 size_t newton_schulz_workspace_bytes(const Backend& backend, const NsProblem& problem, int rank,

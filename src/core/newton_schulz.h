@@ -22,8 +22,10 @@ struct NsPlan {
   bool redistributes = false;
 };
 
+// The algorithm for one matrix: the requested one, or for AUTO the cheaper of (a) and
+// (b)/(d) by the cost model (core/ns_cost_model.h). The same on every rank.
 NsPlan plan_newton_schulz(const ShardLayout& layout, int comm_size,
-                          shardmuon_ns_algorithm requested);
+                          shardmuon_ns_algorithm requested, int iterations);
 
 struct NsProblem {
   shardmuon_dtype dtype;

@@ -78,7 +78,8 @@ const CublasLtGemm::Plan& CublasLtGemm::plan_for(const GemmCall& call) {
                        call.cd_type,
                        alignment_of(call.a),
                        alignment_of(call.b),
-                       std::min(alignment_of(call.c), alignment_of(call.d))};
+                       std::min(alignment_of(call.c), alignment_of(call.d)),
+                       call.sm_count_target};
   auto found = plans_.find(key);
   if (found != plans_.end()) return *found->second;
 
@@ -95,6 +96,11 @@ const CublasLtGemm::Plan& CublasLtGemm::plan_for(const GemmCall& call) {
                                                   &op_a, sizeof op_a));
   SHARDMUON_CUBLAS(cublasLtMatmulDescSetAttribute(plan->operation, CUBLASLT_MATMUL_DESC_TRANSB,
                                                   &op_b, sizeof op_b));
+  if (call.sm_count_target > 0) {
+    const int32_t sms = call.sm_count_target;
+    SHARDMUON_CUBLAS(cublasLtMatmulDescSetAttribute(
+        plan->operation, CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET, &sms, sizeof sms));
+  }
 
   const cudaDataType_t ab = cuda_type(call.ab_type), cd = cuda_type(call.cd_type);
   // Stored shapes (column-major): A is m x k, or k x m when transposed; likewise B.

@@ -25,9 +25,9 @@ class CublasLtGemm {
 
  private:
   struct Plan;
-  // transpose flags, m, n, k, leading dims, types, and the alignment of each pointer (the
-  // heuristic may pick vectorized kernels only for aligned operands).
-  using PlanKey = std::array<int64_t, 14>;
+  // transpose flags, m, n, k, leading dims, types, the alignment of each pointer (the
+  // heuristic may pick vectorized kernels only for aligned operands), and the SM count.
+  using PlanKey = std::array<int64_t, 15>;
 
   const Plan& plan_for(const GemmCall& call);
 

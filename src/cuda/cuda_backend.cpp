@@ -4,6 +4,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cstdlib>
 
 #include "core/dtype.h"
@@ -47,6 +48,14 @@ class CudaBackend final : public Backend {
       SHARDMUON_CHECK_ARG(value > 0, "SHARDMUON_SYMMETRIC_BLOCK must be a positive integer, not '",
                           text, "'");
       symmetric_block_target_ = value;
+    }
+    SHARDMUON_CUDA(cudaDeviceGetAttribute(&device_sms_, cudaDevAttrMultiProcessorCount, device_));
+    // $SHARDMUON_COMM_SMS overrides the SMs left to a collective that overlaps a GEMM.
+    if (const char* text = std::getenv("SHARDMUON_COMM_SMS")) {
+      const long long value = std::atoll(text);
+      SHARDMUON_CHECK_ARG(value >= 0 && value < device_sms_, "SHARDMUON_COMM_SMS must be in [0, ",
+                          device_sms_, "), not '", text, "'");
+      communication_sms_ = static_cast<int>(value);
     }
     SHARDMUON_CUDA(cudaMemset(status_.get(), 0, kStatusBytes));
   }
@@ -151,7 +160,15 @@ class CudaBackend final : public Backend {
     divide_by_norm_cuda(x, y, dtype, count, sum_of_squares, eps, as_cuda(stream));
   }
 
-  void gemm(const GemmCall& call, Stream stream) override { gemm_->run(call, as_cuda(stream)); }
+  void gemm(const GemmCall& call, Stream stream) override {
+    if (!call.overlaps_communication || communication_sms_ == 0) {
+      gemm_->run(call, as_cuda(stream));
+      return;
+    }
+    GemmCall leaving_room = call;
+    leaving_room.sm_count_target = std::max(1, device_sms_ - communication_sms_);
+    gemm_->run(leaving_room, as_cuda(stream));
+  }
 
   void momentum_pass(const MomentumPass& pass, Stream stream) override {
     momentum_pass_cuda(pass, as_cuda(stream));
@@ -228,6 +245,9 @@ class CudaBackend final : public Backend {
   // Blocks of 1024 columns by default: GEMMs of that width still run near the peak rate,
   // and a matrix of side 8192 then computes 9/16 of the full product.
   int64_t symmetric_block_target_ = 1024;
+  int device_sms_ = 0;
+  // SMs that GEMMs overlapping a collective leave free for it (cuBLASLt's SM count target).
+  int communication_sms_ = 0;
   UniqueEvent ordering_;      // order_after's
   UniqueStream side_stream_;  // side_stream's
   static constexpr size_t kStatusBytes = 64;

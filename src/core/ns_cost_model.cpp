@@ -1,0 +1,93 @@
+#include "core/ns_cost_model.h"
+
+#include <algorithm>
+
+#include "core/symmetric_tiles.h"
+
+namespace shardmuon {
+namespace {
+
+int64_t padded(int64_t x) {
+  return (x + 7) / 8 * 8;  // as newton_schulz.cpp's WideBlock::padded
+}
+
+struct IterationCost {
+  double gram_seconds = 0;  // the products a Gram all-reduce can hide behind
+  double other_seconds = 0;
+  double packed_elements = 0;
+  double last_block_elements = 0;
+  int blocks = 1;
+};
+
+// One iteration on an s x length block: A = X X^T (lower block columns), P = a I + b A +
+// c A A (lower block columns), X <- P X, and the two unpacking passes.
+IterationCost iteration_cost(int64_t s, int64_t length, const MachineModel& machine) {
+  s = padded(s);
+  length = padded(length);
+  const SymmetricTiles tiles = SymmetricTiles::split(s, machine.symmetric_block_target, 16);
+  IterationCost cost;
+  cost.blocks = tiles.blocks();
+  cost.packed_elements = static_cast<double>(tiles.packed_elements());
+  cost.last_block_elements = static_cast<double>(tiles.elements(tiles.blocks() - 1));
+  const double rate = machine.gemm_flops_per_second;
+  const double gemms = machine.seconds_per_gemm;
+  const double sd = static_cast<double>(s), ld = static_cast<double>(length);
+  cost.gram_seconds = 2 * cost.packed_elements * ld / rate + cost.blocks * gemms;
+  const double square = 2 * cost.packed_elements * sd / rate + cost.blocks * gemms;
+  const double update = 2 * sd * sd * ld / rate + gemms;
+  // Each unpacking reads the triangle in float32 and writes the whole matrix.
+  const double unpack = 2 * (4 * cost.packed_elements + machine.element_bytes * sd * sd) /
+                        machine.memory_bytes_per_second;
+  cost.other_seconds = square + update + unpack;
+  return cost;
+}
+
+}  // namespace
+
+double estimate_duplicated_seconds(const NsCostInputs& inputs, const MachineModel& machine) {
+  const ShardLayout& layout = inputs.layout;
+  const int64_t rows = layout.rows(), cols = layout.cols();
+  const IterationCost iteration =
+      iteration_cost(std::min(rows, cols), std::max(rows, cols), machine);
+  int64_t largest = 0;
+  for (int64_t size : layout.shard_sizes()) largest = std::max(largest, size);
+  const int64_t other_extent = layout.sharded_dim() == 0 ? cols : rows;
+  const double gathered_bytes = static_cast<double>(largest) * static_cast<double>(other_extent) *
+                                machine.element_bytes * (inputs.ranks - 1);
+  return machine.seconds_per_collective + gathered_bytes / machine.all_gather_bytes_per_second +
+         inputs.iterations * (iteration.gram_seconds + iteration.other_seconds);
+}
+
+double estimate_gram_all_reduce_seconds(const NsCostInputs& inputs, const MachineModel& machine) {
+  const ShardLayout& layout = inputs.layout;
+  const int64_t s = std::min(layout.rows(), layout.cols());
+  const int64_t long_extent = std::max(layout.rows(), layout.cols());
+  const bool redistributes = layout.sharded_dim() != layout.long_dim();
+  // The slowest rank holds the longest block: its own shard, or ceil(L / P) after (d).
+  int64_t length = (long_extent + inputs.ranks - 1) / inputs.ranks;
+  if (!redistributes) {
+    length = 0;
+    for (int64_t size : layout.shard_sizes()) length = std::max(length, size);
+  }
+  const IterationCost iteration = iteration_cost(s, length, machine);
+  const double ring = 2.0 * (inputs.ranks - 1) / inputs.ranks;
+  const double all_reduce =
+      iteration.blocks * machine.seconds_per_collective +
+      4 * iteration.packed_elements * ring / machine.all_reduce_bus_bytes_per_second;
+  // The block columns are summed while later ones are computed: what is left over is at
+  // least the last block's reduction.
+  const double last_block =
+      machine.seconds_per_collective +
+      4 * iteration.last_block_elements * ring / machine.all_reduce_bus_bytes_per_second;
+  const double exposed = std::max(all_reduce - iteration.gram_seconds, last_block);
+  double seconds = machine.seconds_per_collective +  // the norm
+                   inputs.iterations * (iteration.gram_seconds + iteration.other_seconds + exposed);
+  if (redistributes) {
+    const double moved = static_cast<double>(s) * static_cast<double>(length) *
+                         machine.element_bytes * (inputs.ranks - 1) / inputs.ranks;
+    seconds += 2 * (machine.seconds_per_collective + moved / machine.all_to_all_bytes_per_second);
+  }
+  return seconds;
+}
+
+}  // namespace shardmuon

@@ -1,0 +1,38 @@
+// How long each distributed Newton-Schulz algorithm should take for one matrix, from a
+// machine model: GEMM rate, link rates and fixed costs per GEMM and per collective. The
+// planner runs the cheapest. The model is deterministic (every rank computes the same
+// plan without talking to the others) and describes the GPUs the library is tuned for; its
+// rates are the ones measured on them (docs/BENCHMARKS.md), not measured at run time.
+#pragma once
+
+#include <cstdint>
+
+#include "core/layout.h"
+
+namespace shardmuon {
+
+struct MachineModel {
+  // One H200 of the lent nvidia-h200-x2 machine, bf16 (docs/BENCHMARKS.md, 2026-11-30).
+  double gemm_flops_per_second = 760e12;
+  double memory_bytes_per_second = 3.5e12;  // the unpacking passes
+  double all_reduce_bus_bytes_per_second = 270e9;
+  double all_gather_bytes_per_second = 250e9;  // bytes arriving at a rank
+  double all_to_all_bytes_per_second = 250e9;  // bytes leaving a rank
+  double seconds_per_gemm = 15e-6;             // launch, ramp-up and tail of one product
+  double seconds_per_collective = 30e-6;
+  int64_t symmetric_block_target = 1024;
+  int element_bytes = 2;  // bf16 storage
+};
+
+struct NsCostInputs {
+  ShardLayout layout;
+  int ranks = 1;
+  int iterations = 5;
+};
+
+// Estimated seconds of (a) duplicated, and of (b) Gram all-reduce on the long side, which
+// includes (d)'s two all-to-alls when the shards lie along the short side.
+double estimate_duplicated_seconds(const NsCostInputs& inputs, const MachineModel& machine);
+double estimate_gram_all_reduce_seconds(const NsCostInputs& inputs, const MachineModel& machine);
+
+}  // namespace shardmuon
