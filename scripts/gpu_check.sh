@@ -43,7 +43,7 @@ results=()
 # test; if it is still running after 40 s, the stacks of both ranks (gdb) go to the log.
 timeout_injection() {
   local log="$out/timeout.log"
-  SHARDMUON_TEST_NCCL_TIMEOUT=1 "${mpi[@]}" -x SHARDMUON_TEST_NCCL_TIMEOUT -np 2 \
+  SHARDMUON_TEST_PROGRESS=1 "${mpi[@]}" -x SHARDMUON_TEST_PROGRESS -np 2 \
     $build/tests/shardmuon_tests --backend=cuda --gtest_brief=1 \
     --gtest_filter='Reliability.ARankThatNeverCalls*' >"$log" 2>&1 &
   local job=$! waited=0

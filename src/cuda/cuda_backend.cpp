@@ -247,7 +247,9 @@ class CudaBackend final : public Backend {
   int64_t symmetric_block_target_ = 1024;
   int device_sms_ = 0;
   // SMs that GEMMs overlapping a collective leave free for it (cuBLASLt's SM count target).
-  int communication_sms_ = 0;
+  // 32 measured best of 0, 16 and 32 on 2 H200s (docs/BENCHMARKS.md): up to 7% faster at
+  // 4096 x 14336 over 2 GPUs, within noise at 8192 x 28672.
+  int communication_sms_ = 32;
   UniqueEvent ordering_;      // order_after's
   UniqueStream side_stream_;  // side_stream's
   static constexpr size_t kStatusBytes = 64;

@@ -19,21 +19,18 @@ namespace {
 
 class Reliability : public DistributedTest {};
 
-// Where a rank is, printed when SHARDMUON_TEST_NCCL_TIMEOUT is set: the fault-injection test
-// is the one that can hang, and a hang shows no gtest output.
+// Where a rank is, printed when SHARDMUON_TEST_PROGRESS is set: the fault-injection test
+// is the one that could hang, and a hang shows no gtest output.
 void progress(const char* where) {
-  if (std::getenv("SHARDMUON_TEST_NCCL_TIMEOUT") == nullptr) return;
+  if (std::getenv("SHARDMUON_TEST_PROGRESS") == nullptr) return;
   std::fprintf(stderr, "[rank %d] %s\n", Harness::get().world_rank(), where);
   std::fflush(stderr);
 }
 
 TEST_F(Reliability, ARankThatNeverCallsEndsInATimeoutOnTheOthers) {
-  // Over NCCL this test hung on the lent H200s (2026-11-30, twice: with ncclCommAbort on
-  // timeout and with only non-blocking polling), so the NCCL timeout is not yet known to work;
-  // docs/RELIABILITY.md.
-  if (Harness::get().on_gpu() && std::getenv("SHARDMUON_TEST_NCCL_TIMEOUT") == nullptr) {
-    GTEST_SKIP() << "hangs over NCCL (known, open); SHARDMUON_TEST_NCCL_TIMEOUT=1 runs it";
-  }
+  // Over NCCL this passed on the lent H200s (2026-11-30) once the communicator warmed its
+  // private connections up at creation and destroy waited for the late rank's exchange;
+  // scripts/gpu_check.sh runs it on its own under a watchdog.
   for (int p = 2; p <= Harness::get().max_group_size(); ++p) {
     const Group& group = Harness::get().group(p);
     if (!group.member) continue;
