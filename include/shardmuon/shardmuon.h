@@ -318,6 +318,13 @@ SHARDMUON_API shardmuon_status shardmuon_ns_plan(const shardmuon_layout* layout,
                                                  const shardmuon_ns_options* options,
                                                  shardmuon_ns_algorithm* chosen);
 
+/* The planner's estimate, in seconds, of the algorithm shardmuon_ns_plan picks for these
+ * arguments: its cost model of bf16 on H200-class GPUs over NVLink (docs/DESIGN_NOTES.md),
+ * not a measurement. Local; no communication. */
+SHARDMUON_API shardmuon_status shardmuon_ns_estimate(const shardmuon_layout* layout, int comm_size,
+                                                     const shardmuon_ns_options* options,
+                                                     double* seconds);
+
 /* ------------------------------------------------------------------------------------------ */
 /* The Muon optimizer step                                                                     */
 /* ------------------------------------------------------------------------------------------ */

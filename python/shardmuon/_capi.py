@@ -181,6 +181,10 @@ _signatures = {
         _c_status,
         [ctypes.POINTER(Layout), ctypes.c_int, ctypes.POINTER(NsOptions), ctypes.POINTER(ctypes.c_int)],
     ),
+    "shardmuon_ns_estimate": (
+        _c_status,
+        [ctypes.POINTER(Layout), ctypes.c_int, ctypes.POINTER(NsOptions), ctypes.POINTER(ctypes.c_double)],
+    ),
     "shardmuon_schedule_coefficients": (
         _c_status,
         [ctypes.c_int, ctypes.c_int, ctypes.POINTER(NsOptions), ctypes.POINTER(ctypes.c_double),

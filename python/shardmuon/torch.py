@@ -490,6 +490,15 @@ class NewtonSchulz:
                                         ctypes.byref(self._options), ctypes.byref(chosen)))
         return c.PLAN_NAMES.get(chosen.value, str(chosen.value))
 
+    def estimate_seconds(self, shape, partition_dim=None, shard_sizes=None) -> float:
+        """The planner's cost-model estimate for that call (bf16 on H200-class GPUs)."""
+        keepalive = []
+        layout = self._layout(shape, partition_dim, shard_sizes, keepalive)
+        seconds = ctypes.c_double()
+        c.check(c.lib.shardmuon_ns_estimate(ctypes.byref(layout), group_size(self.process_group),
+                                            ctypes.byref(self._options), ctypes.byref(seconds)))
+        return seconds.value
+
     @torch.no_grad()
     def __call__(self, shard: torch.Tensor, shape, partition_dim=None, shard_sizes=None) -> torch.Tensor:
         if shard.dtype not in _DTYPES or not shard.is_contiguous():

@@ -253,3 +253,12 @@ def test_newton_schulz_rejects_bad_arguments():
         ns(torch.randn(4, 6), (4, 6), partition_dim=2)
     with pytest.raises(shardmuon.ShardmuonError, match="num_iterations"):
         st.NewtonSchulz(ns_steps=0)(torch.randn(4, 6), (4, 6))
+
+
+def test_newton_schulz_estimate_grows_with_the_work():
+    ns = st.NewtonSchulz()
+    small, large = ns.estimate_seconds((512, 1024)), ns.estimate_seconds((4096, 14336))
+    assert 0 < small < large
+    # At least the update products X <- P X (2 s^2 L flops each, not symmetric) at the
+    # 760 TFLOP/s it assumes; the symmetric products make the rest cheaper than 2 s^2 L + 2 s^3.
+    assert large > 5 * 2 * 4096**2 * 14336 / 760e12

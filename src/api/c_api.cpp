@@ -16,6 +16,7 @@
 #include "core/dtype.h"
 #include "core/layout.h"
 #include "core/newton_schulz.h"
+#include "core/ns_cost_model.h"
 #include "core/schedule.h"
 #include "cpu/cpu_backend.h"
 #include "cuda/cuda_backend.h"
@@ -66,9 +67,9 @@ ValidatedNsCall validate_ns_call(shardmuon_context_t context, Communicator& comm
     call.backend->check_pointer(local_shard, "local_shard");
   }
 
-  call.problem = NsProblem{dtype, shard_layout, coefficients_for(*options), options->eps,
-                           plan_newton_schulz(shard_layout, comm.size(), options->algorithm,
-                                              options->num_iterations)};
+  call.problem = NsProblem{
+      dtype, shard_layout, coefficients_for(*options), options->eps,
+      plan_newton_schulz(shard_layout, comm.size(), options->algorithm, options->num_iterations)};
 
   Digest digest;
   digest.add(call.backend->kind()).add(dtype).add(layout->rows).add(layout->cols);
@@ -437,6 +438,23 @@ shardmuon_status shardmuon_abi_layout(const char* type, const char* field, size_
   });
 }
 
+shardmuon_status shardmuon_ns_estimate(const shardmuon_layout* layout, int comm_size,
+                                       const shardmuon_ns_options* options, double* seconds) {
+  return api_guard(__func__, [&] {
+    SHARDMUON_CHECK_ARG(layout != nullptr, "layout is NULL");
+    SHARDMUON_CHECK_ARG(options != nullptr, "options is NULL");
+    SHARDMUON_CHECK_ARG(seconds != nullptr, "seconds is NULL");
+    SHARDMUON_CHECK_ARG(comm_size >= 1, "comm_size must be >= 1, got ", comm_size);
+    shardmuon::validate_ns_options(*options);
+    const auto shard_layout = shardmuon::ShardLayout::from_api(*layout, comm_size);
+    const shardmuon::NsPlan plan = shardmuon::plan_newton_schulz(
+        shard_layout, comm_size, options->algorithm, options->num_iterations);
+    *seconds = shardmuon::estimate_plan_seconds(
+        plan, shardmuon::NsCostInputs{shard_layout, comm_size, options->num_iterations},
+        shardmuon::MachineModel{});
+  });
+}
+
 shardmuon_status shardmuon_ns_plan(const shardmuon_layout* layout, int comm_size,
                                    const shardmuon_ns_options* options,
                                    shardmuon_ns_algorithm* chosen) {
@@ -447,9 +465,8 @@ shardmuon_status shardmuon_ns_plan(const shardmuon_layout* layout, int comm_size
     SHARDMUON_CHECK_ARG(comm_size >= 1, "comm_size must be >= 1, got ", comm_size);
     shardmuon::validate_ns_options(*options);
     const auto shard_layout = shardmuon::ShardLayout::from_api(*layout, comm_size);
-    const shardmuon::NsPlan plan =
-        shardmuon::plan_newton_schulz(shard_layout, comm_size, options->algorithm,
-                                      options->num_iterations);
+    const shardmuon::NsPlan plan = shardmuon::plan_newton_schulz(
+        shard_layout, comm_size, options->algorithm, options->num_iterations);
     switch (plan.algorithm) {
       case shardmuon::NsPlan::Algorithm::kLocal: *chosen = SHARDMUON_NS_LOCAL; break;
       case shardmuon::NsPlan::Algorithm::kDuplicated: *chosen = SHARDMUON_NS_DUPLICATED; break;

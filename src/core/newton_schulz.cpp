@@ -508,6 +508,17 @@ NsPlan plan_newton_schulz(const ShardLayout& layout, int comm_size,
              : gram;
 }
 
+double estimate_plan_seconds(const NsPlan& plan, const NsCostInputs& inputs,
+                             const MachineModel& machine) {
+  switch (plan.algorithm) {
+    case NsPlan::Algorithm::kLocal: return estimate_local_seconds(inputs, machine);
+    case NsPlan::Algorithm::kDuplicated: return estimate_duplicated_seconds(inputs, machine);
+    case NsPlan::Algorithm::kGramAllReduce:
+      return estimate_gram_all_reduce_seconds(inputs, machine);
+  }
+  return 0.0;
+}
+
 size_t newton_schulz_workspace_bytes(const Backend& backend, const NsProblem& problem, int rank,
                                      int ranks) {
   return Scratch::lay_out(backend, problem, rank, ranks).carver.total_bytes();

@@ -10,6 +10,7 @@
 #include "comm/communicator.h"
 #include "core/backend.h"
 #include "core/layout.h"
+#include "core/ns_cost_model.h"
 #include "core/schedule.h"
 
 namespace shardmuon {
@@ -26,6 +27,10 @@ struct NsPlan {
 // (b)/(d) by the cost model (core/ns_cost_model.h). The same on every rank.
 NsPlan plan_newton_schulz(const ShardLayout& layout, int comm_size,
                           shardmuon_ns_algorithm requested, int iterations);
+
+// The cost model's seconds for a plan (core/ns_cost_model.h).
+double estimate_plan_seconds(const NsPlan& plan, const NsCostInputs& inputs,
+                             const MachineModel& machine);
 
 struct NsProblem {
   shardmuon_dtype dtype;

@@ -44,6 +44,13 @@ IterationCost iteration_cost(int64_t s, int64_t length, const MachineModel& mach
 
 }  // namespace
 
+double estimate_local_seconds(const NsCostInputs& inputs, const MachineModel& machine) {
+  const int64_t rows = inputs.layout.rows(), cols = inputs.layout.cols();
+  const IterationCost iteration =
+      iteration_cost(std::min(rows, cols), std::max(rows, cols), machine);
+  return inputs.iterations * (iteration.gram_seconds + iteration.other_seconds);
+}
+
 double estimate_duplicated_seconds(const NsCostInputs& inputs, const MachineModel& machine) {
   const ShardLayout& layout = inputs.layout;
   const int64_t rows = layout.rows(), cols = layout.cols();

@@ -34,5 +34,7 @@ struct NsCostInputs {
 // includes (d)'s two all-to-alls when the shards lie along the short side.
 double estimate_duplicated_seconds(const NsCostInputs& inputs, const MachineModel& machine);
 double estimate_gram_all_reduce_seconds(const NsCostInputs& inputs, const MachineModel& machine);
+// The whole matrix on one rank, no communication.
+double estimate_local_seconds(const NsCostInputs& inputs, const MachineModel& machine);
 
 }  // namespace shardmuon

@@ -2,6 +2,8 @@
 // schedule names, and the plans the library reports.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include "../common/harness.h"
 #include "../common/reference.h"
 
@@ -101,6 +103,19 @@ TEST_F(Schedules, PlansFollowTheLayout) {
   EXPECT_EQ(plan(64, 257, SHARDMUON_SHARDED_DIM0, 2, SHARDMUON_NS_DUPLICATED),
             SHARDMUON_NS_DUPLICATED);
   EXPECT_EQ(plan(64, 257, SHARDMUON_REPLICATED, 4, SHARDMUON_NS_AUTO), SHARDMUON_NS_LOCAL);
+  // The estimate is of the plan AUTO picks: never more than the other algorithm's.
+  for (const int64_t side : {512, 4096, 8192}) {
+    shardmuon_layout layout{side, 3 * side, SHARDMUON_SHARDED_DIM1, 2, nullptr};
+    double chosen_seconds = 0, duplicated_seconds = 0, gram_seconds = 0;
+    options.algorithm = SHARDMUON_NS_AUTO;
+    ASSERT_EQ(shardmuon_ns_estimate(&layout, 2, &options, &chosen_seconds), SHARDMUON_SUCCESS);
+    options.algorithm = SHARDMUON_NS_DUPLICATED;
+    ASSERT_EQ(shardmuon_ns_estimate(&layout, 2, &options, &duplicated_seconds), SHARDMUON_SUCCESS);
+    options.algorithm = SHARDMUON_NS_GRAM_ALLREDUCE;
+    ASSERT_EQ(shardmuon_ns_estimate(&layout, 2, &options, &gram_seconds), SHARDMUON_SUCCESS);
+    EXPECT_GT(chosen_seconds, 0.0);
+    EXPECT_EQ(chosen_seconds, std::min(duplicated_seconds, gram_seconds)) << "side " << side;
+  }
   EXPECT_EQ(plan(64, 257, SHARDMUON_SHARDED_DIM1, 1, SHARDMUON_NS_DUPLICATED), SHARDMUON_NS_LOCAL);
 }
 

@@ -1,0 +1,111 @@
+"""The planner's cost model (shardmuon_ns_estimate) against measured times, and what it
+predicts for larger tensor-parallel groups. Runs on the CPU; needs the built library.
+
+    python3 bench/model_vs_measured.py docs/figures/bench_newton_schulz_2gpu.md
+
+Part 1 reads a table written by bench_newton_schulz.py and prints, for every bf16 row, the
+measured time, the model's estimate of the algorithm the row ran and the ratio. Part 2 sums
+the model over the matrices of 8 Llama-3-8B layers (QKV 6144 x 4096 and gate+up 28672 x 4096
+sharded on dim 0, out 4096 x 4096 and down 4096 x 14336 on dim 1) for groups of 2 to 64 ranks,
+for each algorithm, with the bytes each moves per rank.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+from shardmuon import _capi as c  # noqa: E402
+
+LLAMA_LAYER = [((6144, 4096), 0), ((4096, 4096), 1), ((28672, 4096), 0), ((4096, 14336), 1)]
+
+
+def even_split(extent, parts):
+    return [extent // parts + (1 if r < extent % parts else 0) for r in range(parts)]
+
+
+def estimate(rows, cols, ranks, dim, schedule, steps, algorithm="auto"):
+    options = c.NsOptions()
+    c.check(c.lib.shardmuon_ns_options_default(ctypes.byref(options)))
+    options.schedule = c.SCHEDULES[schedule]
+    options.num_iterations = steps
+    options.algorithm = c.ALGORITHMS[algorithm]
+    if ranks == 1 or dim is None:
+        layout = c.Layout(rows, cols, c.REPLICATED, 1, None)
+    else:
+        sizes = even_split((rows, cols)[dim], ranks)
+        array = (ctypes.c_int64 * ranks)(*sizes)
+        layout = c.Layout(rows, cols, c.SHARDED_DIM0 if dim == 0 else c.SHARDED_DIM1, ranks, array)
+    seconds, chosen = ctypes.c_double(), ctypes.c_int()
+    c.check(c.lib.shardmuon_ns_estimate(ctypes.byref(layout), ranks, ctypes.byref(options), ctypes.byref(seconds)))
+    c.check(c.lib.shardmuon_ns_plan(ctypes.byref(layout), ranks, ctypes.byref(options), ctypes.byref(chosen)))
+    return seconds.value, c.PLAN_NAMES[chosen.value]
+
+
+def bytes_per_rank(rows, cols, ranks, dim, steps, algorithm):
+    """Bytes each rank sends (bf16 data, float32 Gram triangle) for one matrix."""
+    s, length = min(rows, cols), max(rows, cols)
+    if algorithm == "duplicated":
+        return 2 * s * length / ranks * (ranks - 1)  # its shard to every other rank
+    triangle = s * s / 2  # about: the packed lower block columns
+    moved = 4 * triangle * 2 * (ranks - 1) / ranks * steps  # ring all-reduces
+    if algorithm.endswith("redistributed"):
+        moved += 2 * 2 * s * length / ranks * (ranks - 1) / ranks
+    return moved
+
+
+def part_one(path):
+    print(f"## model against measured ({os.path.basename(path)})\n")
+    print("| shape | schedule | GPUs | shards | algorithm | measured (ms) | model (ms) | measured / model |")
+    print("|---|---|---|---|---|---|---|---|")
+    for line in open(path):
+        cells = [x.strip() for x in line.split("|")]
+        if len(cells) < 10 or cells[2] != "bf16":
+            continue
+        rows, cols = (int(x) for x in cells[1].split("x"))
+        schedule, steps = cells[3].split()
+        ranks = int(cells[4])
+        dim = None if cells[5] == "-" else int(cells[5].split()[1])
+        algorithm = cells[6]
+        forced = {"duplicated": "duplicated", "local": "auto"}.get(algorithm, "gram_allreduce")
+        seconds, _ = estimate(rows, cols, ranks, dim, schedule, int(steps), forced)
+        measured = float(cells[7])
+        print(f"| {cells[1]} | {cells[3]} | {ranks} | {cells[5]} | {algorithm} | {measured:.2f} | "
+              f"{seconds * 1e3:.2f} | {measured / (seconds * 1e3):.2f} |")
+
+
+def part_two(layers=8, steps=5):
+    print(f"\n## {layers} Llama-3-8B layers, quintic {steps}, bf16: the model per step\n")
+    print("| TP ranks | duplicated (ms) | sent/rank (MB) | gram all-reduce (ms) | sent/rank (MB) | auto (ms) | "
+          "auto's choices | owner per matrix, not built (ms) | sent/rank (MB) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for ranks in (2, 4, 8, 16, 32, 64):
+        totals = {"duplicated": [0.0, 0.0], "gram_allreduce": [0.0, 0.0], "auto": [0.0, 0.0]}
+        choices = []
+        # Owner per matrix (DESIGN.md (f), not in the library yet): every whole matrix on one
+        # rank, so the step takes the larger of an even share of all local times and the
+        # longest single matrix, plus moving each shard to its owner and back (250 GB/s).
+        local_times, moved = [], 0.0
+        for (rows, cols), dim in LLAMA_LAYER:
+            seconds, _ = estimate(rows, cols, 1, None, "quintic", steps)
+            local_times += [seconds] * layers
+            moved += layers * 2 * 2 * rows * cols / ranks * (ranks - 1) / ranks
+        owner = max(sum(local_times) / ranks, max(local_times)) + moved / 250e9
+        for (rows, cols), dim in LLAMA_LAYER:
+            for algorithm in totals:
+                seconds, chosen = estimate(rows, cols, ranks, dim, "quintic", steps, algorithm)
+                totals[algorithm][0] += layers * seconds
+                totals[algorithm][1] += layers * bytes_per_rank(rows, cols, ranks, dim, steps, chosen)
+                if algorithm == "auto":
+                    choices.append(chosen.replace("gram_allreduce", "gram"))
+        print(f"| {ranks} | {totals['duplicated'][0] * 1e3:.1f} | {totals['duplicated'][1] / 1e6:.0f} | "
+              f"{totals['gram_allreduce'][0] * 1e3:.1f} | {totals['gram_allreduce'][1] / 1e6:.0f} | "
+              f"{totals['auto'][0] * 1e3:.1f} | {', '.join(choices)} | {owner * 1e3:.1f} | {moved / 1e6:.0f} |")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1:
+        part_one(sys.argv[1])
+    part_two()
