@@ -134,6 +134,13 @@ typedef enum shardmuon_ns_algorithm {
    * Gram matrix. Shards along the short side are first moved to long-side blocks and back
    * by two all-to-alls ((d) of DESIGN.md). */
   SHARDMUON_NS_GRAM_ALLREDUCE = 2,
+  /* (f) owner per matrix, for the parameters of a step (shardmuon_muon_step): each sharded
+   * matrix is assigned whole to one rank (balancing the ranks' Newton-Schulz work), its
+   * shards travel there in one all-to-all for the whole step, the owner orthogonalizes it
+   * alone, and one all-to-all brings the shards back. Not for shardmuon_newton_schulz's single
+   * matrix. AUTO in a step uses it for the AUTO parameters when the cost model finds it
+   * cheaper than distributing each matrix on its own. */
+  SHARDMUON_NS_OWNER = 3,
   /* Reported by shardmuon_ns_plan only, never requested: */
   SHARDMUON_NS_LOCAL = 100, /* nothing to communicate: replicated, or a group of one */
   SHARDMUON_NS_GRAM_ALLREDUCE_REDISTRIBUTED = 101 /* (d): all-to-all, (b), all-to-all back */

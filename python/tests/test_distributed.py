@@ -65,7 +65,7 @@ def shard_of(whole, dim, sizes, rank):
     return whole.narrow(dim, start, sizes[rank]).clone()
 
 
-def _sharded_steps(rank, world, skip_last):
+def _sharded_steps(rank, world, skip_last, algorithm="auto"):
     generator = torch.Generator().manual_seed(7)
     wholes, params, grads_all = [], [], []
     for rows, cols, dim, dtype in PARAMETERS:
@@ -76,7 +76,8 @@ def _sharded_steps(rank, world, skip_last):
         p.partition_dim = dim  # as TransformerEngine marks tensor-parallel weights
         wholes.append((w, g, sizes))
         params.append(p)
-    optimizer = st.Muon(params, lr=LEARNING_RATES[0], weight_decay=0.1, process_group=dist.group.WORLD)
+    optimizer = st.Muon(params, lr=LEARNING_RATES[0], weight_decay=0.1, process_group=dist.group.WORLD,
+                        algorithm=algorithm)
     references = [(w.double(), torch.zeros_like(w, dtype=torch.float64)) for w, _, _ in wholes]
     for step in range(3):
         optimizer.param_groups[0]["lr"] = LEARNING_RATES[step]
@@ -99,6 +100,12 @@ def _sharded_steps(rank, world, skip_last):
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_sharded_parameters_match_the_whole_matrix_reference(world):
     launch(_sharded_steps, world, False)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("algorithm", ["owner", "gram_allreduce", "duplicated"])
+def test_every_distribution_matches_the_whole_matrix_reference(world, algorithm):
+    launch(_sharded_steps, world, False, algorithm)
 
 
 def test_a_parameter_without_grad_on_every_rank_is_skipped():

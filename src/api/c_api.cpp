@@ -31,6 +31,7 @@ const char* algorithm_name(int algorithm) {
     case SHARDMUON_NS_AUTO: return "auto";
     case SHARDMUON_NS_DUPLICATED: return "duplicated";
     case SHARDMUON_NS_GRAM_ALLREDUCE: return "gram_allreduce";
+    case SHARDMUON_NS_OWNER: return "owner";
   }
   return "unknown";
 }
@@ -42,6 +43,14 @@ struct ValidatedNsCall {
   uint64_t digest = 0;
   std::string description;
 };
+
+// OWNER distributes the matrices of a step over the ranks; one matrix has nothing to spread.
+void check_single_matrix_algorithm(const shardmuon_ns_options& options) {
+  SHARDMUON_CHECK_ARG(options.algorithm != SHARDMUON_NS_OWNER,
+                      "options->algorithm OWNER applies to the parameters of a step "
+                      "(shardmuon_muon_step); for one matrix use AUTO, DUPLICATED or "
+                      "GRAM_ALLREDUCE");
+}
 
 ValidatedNsCall validate_ns_call(shardmuon_context_t context, Communicator& comm,
                                  const void* local_shard, shardmuon_dtype dtype,
@@ -55,6 +64,7 @@ ValidatedNsCall validate_ns_call(shardmuon_context_t context, Communicator& comm
   call.backend->check_dtype(dtype);
   comm.check_compatible(*call.backend);
   validate_ns_options(*options);
+  check_single_matrix_algorithm(*options);
   const ShardLayout shard_layout = ShardLayout::from_api(*layout, comm.size());
 
   const int64_t local_elements = shard_layout.local_elements(comm.rank());
@@ -446,6 +456,7 @@ shardmuon_status shardmuon_ns_estimate(const shardmuon_layout* layout, int comm_
     SHARDMUON_CHECK_ARG(seconds != nullptr, "seconds is NULL");
     SHARDMUON_CHECK_ARG(comm_size >= 1, "comm_size must be >= 1, got ", comm_size);
     shardmuon::validate_ns_options(*options);
+    shardmuon::check_single_matrix_algorithm(*options);
     const auto shard_layout = shardmuon::ShardLayout::from_api(*layout, comm_size);
     const shardmuon::NsPlan plan = shardmuon::plan_newton_schulz(
         shard_layout, comm_size, options->algorithm, options->num_iterations);
@@ -464,6 +475,7 @@ shardmuon_status shardmuon_ns_plan(const shardmuon_layout* layout, int comm_size
     SHARDMUON_CHECK_ARG(chosen != nullptr, "chosen is NULL");
     SHARDMUON_CHECK_ARG(comm_size >= 1, "comm_size must be >= 1, got ", comm_size);
     shardmuon::validate_ns_options(*options);
+    shardmuon::check_single_matrix_algorithm(*options);
     const auto shard_layout = shardmuon::ShardLayout::from_api(*layout, comm_size);
     const shardmuon::NsPlan plan = shardmuon::plan_newton_schulz(
         shard_layout, comm_size, options->algorithm, options->num_iterations);

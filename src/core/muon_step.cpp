@@ -170,6 +170,7 @@ ValidatedMuonStep validate_muon_step(const Backend& backend, const Communicator&
     plan.ns = NsProblem{
         p.dtype, layout, coefficients_for(group.ns), group.ns.eps,
         plan_newton_schulz(layout, comm.size(), group.ns.algorithm, group.ns.num_iterations)};
+    plan.requested = group.ns.algorithm;
 
     digest.add(p.dtype).add(p.layout.rows).add(p.layout.cols).add(p.layout.partition);
     for (int64_t size : layout.shard_sizes()) digest.add(size);
@@ -187,6 +188,7 @@ ValidatedMuonStep validate_muon_step(const Backend& backend, const Communicator&
                         b.param, "].", b.field, " overlap in memory");
   }
 
+  plan_owners(step, comm.size());
   step.digest = digest.value();
   step.description = concat(num_params, " parameters in ", num_groups, " groups (group 0: lr ",
                             groups[0].lr, ", momentum ", groups[0].momentum, ")");
@@ -196,6 +198,72 @@ ValidatedMuonStep validate_muon_step(const Backend& backend, const Communicator&
                dtype_name(params[i].dtype), step.plans[i].has_grad ? "" : " without grad");
   }
   return step;
+}
+
+void plan_owners(ValidatedMuonStep& step, int ranks) {
+  if (ranks == 1) return;
+  const MachineModel machine;
+  std::vector<size_t> requested, automatic;  // indexes into step.plans
+  for (size_t i = 0; i < step.plans.size(); ++i) {
+    const MuonParamPlan& plan = step.plans[i];
+    if (!plan.has_grad || !plan.ns.layout.is_sharded()) continue;
+    if (plan.requested == SHARDMUON_NS_OWNER) requested.push_back(i);
+    if (plan.requested == SHARDMUON_NS_AUTO) automatic.push_back(i);
+  }
+  auto local_seconds = [&](size_t i) {
+    const NsProblem& ns = step.plans[i].ns;
+    return estimate_local_seconds(
+        NsCostInputs{ns.layout, 1, static_cast<int>(ns.coefficients.size())}, machine);
+  };
+  // Longest processing time first over the ranks; returns the owners and the makespan.
+  auto assign = [&](const std::vector<size_t>& batch, std::vector<int>& owners) {
+    std::vector<size_t> order(batch.size());
+    for (size_t k = 0; k < order.size(); ++k) order[k] = k;
+    std::vector<double> cost(batch.size());
+    for (size_t k = 0; k < batch.size(); ++k) cost[k] = local_seconds(batch[k]);
+    std::stable_sort(order.begin(), order.end(),
+                     [&](size_t x, size_t y) { return cost[x] > cost[y]; });
+    std::vector<double> load(ranks, 0.0);
+    owners.assign(batch.size(), 0);
+    for (size_t k : order) {
+      const int rank = static_cast<int>(std::min_element(load.begin(), load.end()) - load.begin());
+      owners[k] = rank;
+      load[rank] += cost[k];
+    }
+    return *std::max_element(load.begin(), load.end());
+  };
+
+  std::vector<size_t> batch = requested;
+  if (automatic.size() >= 2) {
+    // Per matrix, the collectives of one matrix run one after another; with owners, the
+    // work is spread and the shards move twice in all.
+    double separately = 0.0, moved_bytes = 0.0;
+    for (size_t i : automatic) {
+      const NsProblem& ns = step.plans[i].ns;
+      separately += estimate_plan_seconds(
+          ns.plan, NsCostInputs{ns.layout, ranks, static_cast<int>(ns.coefficients.size())},
+          machine);
+      moved_bytes += static_cast<double>(ns.layout.rows()) * static_cast<double>(ns.layout.cols()) *
+                     static_cast<double>(element_size(ns.dtype)) / ranks * (ranks - 1) / ranks;
+    }
+    std::vector<int> owners;
+    const double together =
+        assign(automatic, owners) +
+        2 * (machine.seconds_per_collective + moved_bytes / machine.all_to_all_bytes_per_second);
+    if (together < separately) batch.insert(batch.end(), automatic.begin(), automatic.end());
+  }
+  std::sort(batch.begin(), batch.end());
+  std::vector<int> owners;
+  assign(batch, owners);
+  for (size_t k = 0; k < batch.size(); ++k) {
+    MuonParamPlan& plan = step.plans[batch[k]];
+    plan.owner = owners[k];
+    shardmuon_layout whole{plan.ns.layout.rows(), plan.ns.layout.cols(), SHARDMUON_REPLICATED, 1,
+                           nullptr};
+    plan.whole = plan.ns;
+    plan.whole.layout = ShardLayout::from_api(whole, 1);
+    plan.whole.plan = NsPlan{};  // local
+  }
 }
 
 namespace {
@@ -219,67 +287,243 @@ void run_momentum_pass(Backend& backend, const MuonParamPlan& plan, int64_t coun
   backend.momentum_pass(pass, stream);
 }
 
-size_t flag_bytes(const ValidatedMuonStep& step) {
-  return aligned_bytes((1 + step.plans.size()) * sizeof(float));
+size_t shard_bytes(const MuonParamPlan& plan, int rank) {
+  return aligned_bytes(plan.ns.layout.local_elements(rank) * element_size(plan.ns.dtype));
 }
 
-// A checked step (SKIP or RAISE). The workspace holds the flags (the step's, then one per
-// parameter), then per parameter its new momentum, its update and the Newton-Schulz scratch.
-void run_checked_step(Backend& backend, Communicator& comm, const ValidatedMuonStep& step,
-                      Stream stream, shardmuon_nonfinite_policy policy) {
+// Where a step's buffers lie in the workspace, on one rank (offsets from its start):
+//   flags (checked): the step's, then one per parameter;
+//   new momentum (checked): one buffer per parameter with a gradient;
+//   updates: the owner-per-matrix parameters first, grouped by owner (the block of owner q is
+//     what this rank sends q), then the others;
+//   staging (owners): from each source rank, its shards of the matrices this rank owns, in
+//     the order the source sent them;
+//   whole matrices this rank owns; then the Newton-Schulz scratch.
+struct StepLayout {
+  size_t flags = 0;
+  std::vector<size_t> new_momentum, update;          // per parameter
+  std::vector<size_t> peer_offsets, peer_bytes;      // the update blocks sent to each owner
+  std::vector<size_t> source_offsets, source_bytes;  // the staging blocks from each source
+  std::vector<std::vector<size_t>> piece;            // [parameter][source]: a shard in staging
+  std::vector<size_t> matrix;                        // per owned parameter
+  bool has_owner_batch = false;
+  size_t scratch = 0, total = 0;
+
+  static StepLayout of(const Backend& backend, const ValidatedMuonStep& step, int rank, int ranks,
+                       bool checked) {
+    const size_t n = step.plans.size();
+    StepLayout layout;
+    size_t offset = 0;
+    auto take = [&offset](size_t bytes) {
+      const size_t at = offset;
+      offset += aligned_bytes(bytes);
+      return at;
+    };
+    if (checked) layout.flags = take((1 + n) * sizeof(float));
+    layout.new_momentum.assign(n, 0);
+    layout.update.assign(n, 0);
+    layout.piece.assign(n, std::vector<size_t>(ranks, 0));
+    layout.matrix.assign(n, 0);
+    if (checked) {
+      for (size_t i = 0; i < n; ++i) {
+        if (step.plans[i].has_grad) layout.new_momentum[i] = take(shard_bytes(step.plans[i], rank));
+      }
+    }
+    layout.peer_offsets.assign(ranks, 0);
+    layout.peer_bytes.assign(ranks, 0);
+    for (int q = 0; q < ranks; ++q) {
+      layout.peer_offsets[q] = offset;
+      for (size_t i = 0; i < n; ++i) {
+        if (step.plans[i].owner != q) continue;
+        layout.has_owner_batch = true;
+        layout.update[i] = take(shard_bytes(step.plans[i], rank));
+      }
+      layout.peer_bytes[q] = offset - layout.peer_offsets[q];
+    }
+    for (size_t i = 0; i < n; ++i) {
+      if (step.plans[i].has_grad && step.plans[i].owner < 0) {
+        layout.update[i] = take(shard_bytes(step.plans[i], rank));
+      }
+    }
+    take(1);  // the staging never starts where the updates do (MPI wants distinct buffers)
+    layout.source_offsets.assign(ranks, 0);
+    layout.source_bytes.assign(ranks, 0);
+    for (int source = 0; source < ranks; ++source) {
+      layout.source_offsets[source] = offset;
+      for (size_t i = 0; i < n; ++i) {
+        if (step.plans[i].owner == rank)
+          layout.piece[i][source] = take(shard_bytes(step.plans[i], source));
+      }
+      layout.source_bytes[source] = offset - layout.source_offsets[source];
+    }
+    size_t scratch = 0;
+    for (size_t i = 0; i < n; ++i) {
+      const MuonParamPlan& plan = step.plans[i];
+      if (!plan.has_grad) continue;
+      if (plan.owner == rank) {
+        layout.matrix[i] = take(plan.whole.layout.rows() * plan.whole.layout.cols() *
+                                element_size(plan.whole.dtype));
+        scratch = std::max(scratch, newton_schulz_workspace_bytes(backend, plan.whole, 0, 1));
+      } else if (plan.owner < 0) {
+        scratch = std::max(scratch, newton_schulz_workspace_bytes(backend, plan.ns, rank, ranks));
+      }
+    }
+    layout.scratch = offset;
+    layout.total = offset + scratch;
+    return layout;
+  }
+};
+
+// Moves one shard between the staging and its owner's whole matrix, either way.
+void move_shard(Backend& backend, const MuonParamPlan& plan, int source, char* staged, char* matrix,
+                bool into_matrix, Stream stream) {
+  const ShardLayout& layout = plan.ns.layout;
+  const size_t element = element_size(plan.ns.dtype);
+  const int64_t size = layout.shard_sizes()[source], offset = layout.shard_offsets()[source];
+  if (size == 0) return;
+  if (layout.sharded_dim() == 0) {  // a block of whole rows: one contiguous range
+    const size_t bytes = size * layout.cols() * element;
+    char* in_matrix = matrix + offset * layout.cols() * element;
+    backend.copy_2d(into_matrix ? in_matrix : staged, bytes, into_matrix ? staged : in_matrix,
+                    bytes, bytes, 1, stream);
+  } else {  // a block of columns: one pitched copy
+    const size_t row_bytes = size * element, pitch = layout.cols() * element;
+    char* in_matrix = matrix + offset * element;
+    if (into_matrix) {
+      backend.copy_2d(in_matrix, pitch, staged, row_bytes, row_bytes, layout.rows(), stream);
+    } else {
+      backend.copy_2d(staged, row_bytes, in_matrix, pitch, row_bytes, layout.rows(), stream);
+    }
+  }
+}
+
+// (f): every rank sends its update shards of each matrix to the matrix's owner (one
+// all-to-all), owners assemble and orthogonalize their whole matrices, and a second
+// all-to-all returns each rank its shards, into the buffers it sent them from.
+void run_owner_batch(Backend& backend, Communicator& comm, const ValidatedMuonStep& step,
+                     const StepLayout& layout, char* base, Stream stream) {
   const int rank = comm.rank();
-  char* base = static_cast<char*>(backend.workspace(
-      muon_step_workspace_bytes(backend, step, rank, comm.size(), policy), stream));
-  float* flags = reinterpret_cast<float*>(base);
+  // Offsets relative to each region's start, so that the send and receive buffers differ.
+  auto relative = [](const std::vector<size_t>& offsets) {
+    std::vector<size_t> result(offsets);
+    for (size_t& offset : result) offset -= offsets.front();
+    return result;
+  };
+  char* updates = base + layout.peer_offsets.front();
+  char* staging = base + layout.source_offsets.front();
+  const std::vector<size_t> peer_offsets = relative(layout.peer_offsets);
+  const std::vector<size_t> source_offsets = relative(layout.source_offsets);
+  comm.all_to_all(updates, layout.peer_bytes, peer_offsets, staging, layout.source_bytes,
+                  source_offsets, stream);
+  for (size_t i = 0; i < step.plans.size(); ++i) {
+    const MuonParamPlan& plan = step.plans[i];
+    if (plan.owner != rank) continue;
+    char* matrix = base + layout.matrix[i];
+    for (int source = 0; source < comm.size(); ++source) {
+      move_shard(backend, plan, source, base + layout.piece[i][source], matrix, true, stream);
+    }
+    run_newton_schulz(backend, comm, plan.whole, matrix, stream, layout.scratch);
+    for (int source = 0; source < comm.size(); ++source) {
+      move_shard(backend, plan, source, base + layout.piece[i][source], matrix, false, stream);
+    }
+  }
+  comm.all_to_all(staging, layout.source_bytes, source_offsets, updates, layout.peer_bytes,
+                  peer_offsets, stream);
+}
+
+}  // namespace
+
+size_t muon_step_workspace_bytes(const Backend& backend, const ValidatedMuonStep& step, int rank,
+                                 int ranks, shardmuon_nonfinite_policy policy) {
+  return StepLayout::of(backend, step, rank, ranks, policy != SHARDMUON_NONFINITE_PROCEED).total;
+}
+
+// The step: momentum passes into update buffers, the Newton-Schulz of every update (the
+// owner batch together, the others one by one), then the writes. A checked step (SKIP or
+// RAISE) computes the new momentum aside and writes param and momentum only where no flag
+// is set: a non-finite gradient on any rank flags the step, a non-finite update its
+// parameter (summed over the ranks, so that a sharded parameter is skipped everywhere or
+// nowhere).
+void run_muon_step(Backend& backend, Communicator& comm, const ValidatedMuonStep& step,
+                   Stream stream, shardmuon_nonfinite_policy policy) {
+  const bool checked = policy != SHARDMUON_NONFINITE_PROCEED;
+  const int rank = comm.rank();
+  const StepLayout layout = StepLayout::of(backend, step, rank, comm.size(), checked);
+  // Grown once up front: a later, larger request would move the buffer under the updates.
+  char* base = static_cast<char*>(backend.workspace(layout.total, stream));
+  const size_t count_of_flags = 1 + step.plans.size();
+  float* flags = checked ? reinterpret_cast<float*>(base + layout.flags) : nullptr;
   char* counters = static_cast<char*>(backend.persistent_status());
   int64_t* skipped_steps = reinterpret_cast<int64_t*>(counters + kSkippedStepsOffset);
   int64_t* skipped_params = reinterpret_cast<int64_t*>(counters + kSkippedParamsOffset);
-  const size_t region = flag_bytes(step);
-  backend.fill_zero(flags, (1 + step.plans.size()) * sizeof(float), stream);
 
-  // Any non-finite gradient, on any rank, skips the whole step.
-  for (const MuonParamPlan& plan : step.plans) {
-    if (!plan.has_grad) continue;
-    backend.flag_nonfinite(plan.param->grad, plan.ns.dtype, plan.ns.layout.local_elements(rank),
-                           flags, stream);
+  if (checked) {
+    backend.fill_zero(flags, count_of_flags * sizeof(float), stream);
+    for (const MuonParamPlan& plan : step.plans) {
+      if (!plan.has_grad) continue;
+      backend.flag_nonfinite(plan.param->grad, plan.ns.dtype, plan.ns.layout.local_elements(rank),
+                             flags, stream);
+    }
+    if (comm.size() > 1) comm.all_reduce_sum(flags, 1, SHARDMUON_FLOAT32, stream);
   }
-  if (comm.size() > 1) comm.all_reduce_sum(flags, 1, SHARDMUON_FLOAT32, stream);
 
+  for (size_t i = 0; i < step.plans.size(); ++i) {
+    const MuonParamPlan& plan = step.plans[i];
+    if (!plan.has_grad) continue;  // skipped on every rank alike (the digest saw to it)
+    run_momentum_pass(backend, plan, plan.ns.layout.local_elements(rank), base + layout.update[i],
+                      checked ? base + layout.new_momentum[i] : nullptr, stream);
+  }
+  if (layout.has_owner_batch) run_owner_batch(backend, comm, step, layout, base, stream);
+  for (size_t i = 0; i < step.plans.size(); ++i) {
+    const MuonParamPlan& plan = step.plans[i];
+    if (!plan.has_grad || plan.owner >= 0) continue;
+    run_newton_schulz(backend, comm, plan.ns, base + layout.update[i], stream, layout.scratch);
+  }
+
+  if (!checked) {
+    for (size_t i = 0; i < step.plans.size(); ++i) {
+      const MuonParamPlan& plan = step.plans[i];
+      if (!plan.has_grad) continue;
+      backend.update_pass(plan.param->param, base + layout.update[i], plan.ns.dtype,
+                          plan.ns.layout.local_elements(rank), plan.decay, plan.step_size, stream);
+    }
+    return;
+  }
+
+  bool any_sharded = false;
+  for (size_t i = 0; i < step.plans.size(); ++i) {
+    const MuonParamPlan& plan = step.plans[i];
+    if (!plan.has_grad) continue;
+    any_sharded = any_sharded || plan.ns.layout.is_sharded();
+    backend.flag_nonfinite(base + layout.update[i], plan.ns.dtype,
+                           plan.ns.layout.local_elements(rank), flags + 1 + i, stream);
+  }
+  if (comm.size() > 1 && any_sharded) {
+    comm.all_reduce_sum(flags + 1, static_cast<int64_t>(step.plans.size()), SHARDMUON_FLOAT32,
+                        stream);
+  }
   for (size_t i = 0; i < step.plans.size(); ++i) {
     const MuonParamPlan& plan = step.plans[i];
     if (!plan.has_grad) continue;
     const shardmuon_muon_param& p = *plan.param;
-    const int64_t count = plan.ns.layout.local_elements(rank);
-    const size_t shard_bytes = aligned_bytes(count * element_size(p.dtype));
-    char* new_momentum = base + region;
-    char* update = new_momentum + shard_bytes;
-    run_momentum_pass(backend, plan, count, update, new_momentum, stream);
-    run_newton_schulz(backend, comm, plan.ns, update, stream, region + 2 * shard_bytes);
-
-    // A sharded update must be skipped on every rank or on none.
-    float* param_flag = flags + 1 + i;
-    backend.flag_nonfinite(update, p.dtype, count, param_flag, stream);
-    if (comm.size() > 1 && plan.ns.layout.is_sharded()) {
-      comm.all_reduce_sum(param_flag, 1, SHARDMUON_FLOAT32, stream);
-    }
     CommitPass commit;
     commit.param = p.param;
-    commit.update = update;
+    commit.update = base + layout.update[i];
     commit.momentum = p.momentum;
-    commit.new_momentum = new_momentum;
+    commit.new_momentum = base + layout.new_momentum[i];
     commit.dtype = p.dtype;
-    commit.count = count;
+    commit.count = plan.ns.layout.local_elements(rank);
     commit.decay = plan.decay;
     commit.step_size = plan.step_size;
     commit.step_flag = flags;
-    commit.param_flag = param_flag;
+    commit.param_flag = flags + 1 + i;
     commit.skipped_params = skipped_params;
     backend.commit_pass(commit, stream);
   }
   backend.count_if_flagged(flags, skipped_steps, stream);
 
   if (policy != SHARDMUON_NONFINITE_RAISE) return;
-  std::vector<float> host(1 + step.plans.size());
+  std::vector<float> host(count_of_flags);
   backend.copy_to_host(host.data(), flags, host.size() * sizeof(float), stream);
   backend.synchronize(stream);
   if (host[0] != 0.0f) {
@@ -295,44 +539,6 @@ void run_checked_step(Backend& backend, Communicator& comm, const ValidatedMuonS
     fail(SHARDMUON_ERROR_NON_FINITE, "the orthogonalized update of ", bad,
          " was not finite; those parameters and their momentum were left as they were, the "
          "others were updated");
-  }
-}
-
-}  // namespace
-
-size_t muon_step_workspace_bytes(const Backend& backend, const ValidatedMuonStep& step, int rank,
-                                 int ranks, shardmuon_nonfinite_policy policy) {
-  const bool checked = policy != SHARDMUON_NONFINITE_PROCEED;
-  size_t largest = 0;
-  for (const MuonParamPlan& plan : step.plans) {
-    if (!plan.has_grad) continue;
-    const size_t shard =
-        aligned_bytes(plan.ns.layout.local_elements(rank) * element_size(plan.ns.dtype));
-    largest = std::max(largest, (checked ? 2 : 1) * shard +
-                                    newton_schulz_workspace_bytes(backend, plan.ns, rank, ranks));
-  }
-  return (checked ? flag_bytes(step) : 0) + largest;
-}
-
-void run_muon_step(Backend& backend, Communicator& comm, const ValidatedMuonStep& step,
-                   Stream stream, shardmuon_nonfinite_policy policy) {
-  if (policy != SHARDMUON_NONFINITE_PROCEED) {
-    run_checked_step(backend, comm, step, stream, policy);
-    return;
-  }
-  // Grown once up front: a later, larger request would move the buffer under the update.
-  backend.workspace(muon_step_workspace_bytes(backend, step, comm.rank(), comm.size(), policy),
-                    stream);
-  for (const MuonParamPlan& plan : step.plans) {
-    if (!plan.has_grad) continue;  // skipped on every rank alike (the digest saw to it)
-    const shardmuon_muon_param& p = *plan.param;
-    const int64_t count = plan.ns.layout.local_elements(comm.rank());
-    // The update U lives at the start of the workspace; Newton-Schulz's scratch follows.
-    const size_t update_bytes = aligned_bytes(count * element_size(p.dtype));
-    void* update = backend.workspace(update_bytes, stream);
-    run_momentum_pass(backend, plan, count, update, nullptr, stream);
-    run_newton_schulz(backend, comm, plan.ns, update, stream, update_bytes);
-    backend.update_pass(p.param, update, p.dtype, count, plan.decay, plan.step_size, stream);
   }
 }
 

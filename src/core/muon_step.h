@@ -22,6 +22,11 @@ struct MuonParamPlan {
   double l2_decay = 0.0;   // g = grad + l2_decay * param
   double beta = 0.0;
   bool nesterov = false;
+  // (f) owner per matrix: the rank that orthogonalizes the whole matrix, or -1 when the
+  // matrix is distributed on its own by ns.plan. `whole` is the owner's local problem.
+  int owner = -1;
+  NsProblem whole;
+  shardmuon_ns_algorithm requested = SHARDMUON_NS_AUTO;  // the group's ns.algorithm
 };
 
 struct ValidatedMuonStep {
@@ -45,8 +50,15 @@ ValidatedMuonStep validate_muon_step(const Backend& backend, const Communicator&
                                      const shardmuon_muon_group* groups, int num_groups,
                                      bool use_grads = true);
 
-// Bytes of workspace a step needs on this rank: the largest parameter's update buffer and
-// Newton-Schulz scratch, and for checked policies the flags and a new-momentum buffer.
+// Assigns the owner-per-matrix parameters of a step to ranks: those whose group asks for
+// OWNER, and the AUTO ones if the cost model prefers owners to distributing each matrix
+// (core/ns_cost_model.h). Longest processing time first: the most expensive matrix goes to
+// the least loaded rank, ties to the lower index and rank, so every rank assigns alike.
+void plan_owners(ValidatedMuonStep& step, int ranks);
+
+// Bytes of workspace a step needs on this rank: every parameter's update buffer (and, for
+// checked policies, its new momentum and the flags), the owner's staging and whole matrices,
+// and the largest Newton-Schulz scratch.
 size_t muon_step_workspace_bytes(const Backend& backend, const ValidatedMuonStep& step, int rank,
                                  int ranks, shardmuon_nonfinite_policy policy);
 

@@ -33,10 +33,10 @@ double estimate_plan_seconds(const NsPlan& plan, const NsCostInputs& inputs,
                              const MachineModel& machine);
 
 struct NsProblem {
-  shardmuon_dtype dtype;
+  shardmuon_dtype dtype = SHARDMUON_FLOAT32;
   ShardLayout layout;
   std::vector<Coefficients> coefficients;  // one per iteration
-  double eps;
+  double eps = 0.0;
   NsPlan plan;
 };
 

@@ -81,6 +81,7 @@ struct StepRun {
   std::vector<ReferenceGroup> reference_groups;
   std::vector<shardmuon_schedule> schedules;
   std::vector<int> iterations;
+  shardmuon_ns_algorithm algorithm = SHARDMUON_NS_AUTO;  // every group's
 };
 
 void run_and_compare(const Group& group, StepRun& run, int steps, const std::string& label) {
@@ -94,6 +95,7 @@ void run_and_compare(const Group& group, StepRun& run, int steps, const std::str
     for (size_t g = 0; g < run.reference_groups.size(); ++g) {
       run.reference_groups[g].lr = kLearningRates[s % 3] * (1.0 + 0.5 * static_cast<double>(g));
       groups.push_back(to_api(run.reference_groups[g], run.schedules[g], run.iterations[g]));
+      groups.back().ns.algorithm = run.algorithm;
     }
     std::vector<shardmuon_muon_param> api(run.params.size());
     std::vector<shardmuon_layout> layouts;
@@ -232,6 +234,54 @@ TEST_F(MuonStepBatches, MixedBatchMatchesTheReference) {
                 {SHARDMUON_SCHEDULE_QUINTIC, SHARDMUON_SCHEDULE_POLAR_EXPRESS},
                 {5, 8}};
     run_and_compare(group, run, 3, "mixed batch P=" + std::to_string(p));
+  }
+}
+
+// The same batch under every way of distributing the orthogonalization, against the
+// whole-matrix oracle: owner per matrix (more ranks than matrices at P = 4, shards that are
+// empty or uneven, both sharded dims, a 1 x N matrix, a parameter without gradient), the Gram
+// all-reduce, duplicated, and AUTO, which chooses.
+TEST_F(MuonStepBatches, EveryDistributionMatchesTheReference) {
+  for (const shardmuon_ns_algorithm algorithm : {SHARDMUON_NS_OWNER, SHARDMUON_NS_GRAM_ALLREDUCE,
+                                                 SHARDMUON_NS_DUPLICATED, SHARDMUON_NS_AUTO}) {
+    for (int p = 1; p <= Harness::get().max_group_size(); ++p) {
+      const Group& group = Harness::get().group(p);
+      if (!group.member) continue;
+      std::vector<Parameter> params;
+      params.push_back(make_parameter(37, 53, SHARDMUON_FLOAT32, SHARDMUON_SHARDED_DIM0, p, 11, 2));
+      params.push_back(
+          make_parameter(64, 17, SHARDMUON_BFLOAT16, SHARDMUON_SHARDED_DIM1, p, 12, 2));
+      params.push_back(make_parameter(1, 40, SHARDMUON_FLOAT32, SHARDMUON_SHARDED_DIM1, p, 13, 2));
+      params.push_back(make_parameter(23, 41, SHARDMUON_FLOAT32, SHARDMUON_SHARDED_DIM1, p, 14, 2));
+      params.push_back(make_parameter(29, 31, SHARDMUON_FLOAT32, SHARDMUON_REPLICATED, p, 15, 2));
+      params[3].has_grad = false;
+      params[1].group = 1;
+      ReferenceGroup first, second;
+      second.momentum = 0.8;
+      StepRun run{params,
+                  {first, second},
+                  {SHARDMUON_SCHEDULE_QUINTIC, SHARDMUON_SCHEDULE_POLAR_EXPRESS},
+                  {5, 8}};
+      run.algorithm = algorithm;
+      run_and_compare(group, run, 2,
+                      "algorithm " + std::to_string(algorithm) + " P=" + std::to_string(p));
+    }
+  }
+}
+
+// Two matrices over more ranks than that: owners leave ranks idle, which must still join
+// both exchanges with nothing to send.
+TEST_F(MuonStepBatches, OwnersWithFewerMatricesThanRanks) {
+  for (int p = 2; p <= Harness::get().max_group_size(); ++p) {
+    const Group& group = Harness::get().group(p);
+    if (!group.member) continue;
+    std::vector<Parameter> params;
+    params.push_back(make_parameter(40, 24, SHARDMUON_FLOAT32, SHARDMUON_SHARDED_DIM0, p, 21, 3));
+    params.push_back(make_parameter(9, 70, SHARDMUON_FLOAT32, SHARDMUON_SHARDED_DIM1, p, 22, 3,
+                                    /*balanced=*/true));
+    StepRun run{params, {ReferenceGroup{}}, {SHARDMUON_SCHEDULE_QUINTIC}, {5}};
+    run.algorithm = SHARDMUON_NS_OWNER;
+    run_and_compare(group, run, 3, "two owners P=" + std::to_string(p));
   }
 }
 
