@@ -390,6 +390,12 @@ typedef struct shardmuon_muon_param {
    * the same (checked: a rank that disagrees makes every rank return RANK_MISMATCH). 0, the
    * zero-initialized value, means grad is this step's gradient. */
   int no_grad;
+  /* The matrix is row_blocks matrices stacked along dim 0, each (rows / row_blocks) x cols,
+   * orthogonalized (and scaled) each on its own: the experts of a mixture-of-experts weight
+   * (E x m x n seen as (E m) x n), or a fused weight split by head or by part (QKV with
+   * row_blocks = the number of heads of head_dim rows; gate and up with row_blocks = 2).
+   * rows must be a multiple of it. 0, the zero-initialized value, means 1: one matrix. */
+  int64_t row_blocks;
 } shardmuon_muon_param;
 
 /* One Muon step over a batch of parameters, in place on param and momentum; grad is only

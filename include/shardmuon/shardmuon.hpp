@@ -173,14 +173,17 @@ class Muon {
 
   // Registers a parameter and allocates its momentum buffer (zeros) in the context's
   // memory. Returns its index.
+  // row_blocks: matrices stacked along dim 0, each orthogonalized on its own (the experts of
+  // an MoE weight, the heads of a fused QKV; shardmuon_muon_param.row_blocks).
   size_t add_parameter(const std::string& name, void* param, shardmuon_dtype dtype,
-                       const Layout& layout, int group = 0) {
+                       const Layout& layout, int group = 0, int64_t row_blocks = 1) {
     Entry entry;
     entry.name = name;
     entry.layout = layout;
     entry.param.param = param;
     entry.param.dtype = dtype;
     entry.param.group = group;
+    entry.param.row_blocks = row_blocks;
     const int ranks = comm_.size();
     const shardmuon_layout view = entry.layout.view(ranks);
     const size_t element = dtype == SHARDMUON_FLOAT64 ? 8 : dtype == SHARDMUON_FLOAT32 ? 4 : 2;

@@ -69,6 +69,7 @@ class MuonParam(ctypes.Structure):
         ("layout", Layout),
         ("group", ctypes.c_int),
         ("no_grad", ctypes.c_int),
+        ("row_blocks", ctypes.c_int64),
     ]
 
 

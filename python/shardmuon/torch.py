@@ -166,7 +166,14 @@ class Muon(torch.optim.Optimizer):
                 raise ValueError(f"{name}: its partition_dim attribute is {attribute} but its group "
                                  f"says {chosen}")
             chosen = attribute
-        if chosen not in (None, -1, 0, 1):
+        if param.ndim == 3:
+            # Experts x rows x cols: each rank holds every expert's rows and a block of columns
+            # (partition_dim 2), or everything (-1); the library sees the (E rows) x cols stack.
+            if chosen not in (None, -1, 2):
+                raise ValueError(f"{name}: a 3D (experts x rows x cols) parameter takes partition_dim "
+                                 f"2 (columns split) or -1 (replicated), got {chosen}")
+            chosen = 1 if chosen == 2 else chosen
+        elif chosen not in (None, -1, 0, 1):
             raise ValueError(f"{name}: partition_dim must be 0, 1 or -1 (replicated), got {chosen}")
         if chosen is None and group_size(self.process_group) > 1:
             raise ValueError(
@@ -187,9 +194,9 @@ class Muon(torch.optim.Optimizer):
         missing = [e for e in entries if e["dim"] is not None and id(e["param"]) not in self._shard_sizes]
         if not missing or group_size(self.process_group) == 1:
             for e in missing:
-                self._shard_sizes[id(e["param"])] = [e["param"].shape[e["dim"]]]
+                self._shard_sizes[id(e["param"])] = [e["shape"][e["dim"]]]
             return
-        local = torch.tensor([e["param"].shape[e["dim"]] for e in missing], dtype=torch.int64,
+        local = torch.tensor([e["shape"][e["dim"]] for e in missing], dtype=torch.int64,
                              device=device if device.type == "cuda" else "cpu")
         gathered = [torch.empty_like(local) for _ in range(group_size(self.process_group))]
         dist.all_gather(gathered, local, group=self.process_group)
@@ -202,8 +209,9 @@ class Muon(torch.optim.Optimizer):
         for group_index, group in self._muon_groups():
             for index, param in enumerate(group["params"]):
                 name = self._name(param, group_index, index)
-                if param.ndim != 2:
-                    raise ValueError(f"{name}: Muon takes 2D parameters; train this one with AdamW "
+                if param.ndim not in (2, 3):
+                    raise ValueError(f"{name}: Muon takes 2D parameters, or 3D ones (experts x rows x "
+                                     "cols, each expert on its own); train this one with AdamW "
                                      "(see MuonWithAdamW)")
                 if param.dtype not in _DTYPES or (param.dtype == torch.float64 and param.is_cuda):
                     raise TypeError(f"{name}: Muon takes float32 or bfloat16 parameters (float64 on "
@@ -220,8 +228,16 @@ class Muon(torch.optim.Optimizer):
                         raise ValueError(f"{name}: its gradient is on {grad.device}")
                     if grad.is_sparse or not grad.is_contiguous():
                         raise ValueError(f"{name}: its gradient is not a contiguous dense tensor")
+                # The matrix the library sees, and how many matrices are stacked in its rows:
+                # the experts of a 3D parameter, or a fused weight's parts (muon_row_blocks,
+                # e.g. the heads of QKV or the gate and up halves).
+                if param.ndim == 3:
+                    shape, row_blocks = (param.shape[0] * param.shape[1], param.shape[2]), param.shape[0]
+                else:
+                    shape, row_blocks = tuple(param.shape), int(getattr(param, "muon_row_blocks", 1))
                 entries.append({"param": param, "grad": grad, "group": group_index, "name": name,
-                                "dim": self._partition_dim(param, group, name)})
+                                "dim": self._partition_dim(param, group, name), "shape": shape,
+                                "row_blocks": row_blocks})
         return entries
 
     def _group_struct(self, group, keepalive) -> c.MuonGroup:
@@ -299,12 +315,13 @@ class Muon(torch.optim.Optimizer):
                     state["momentum_buffer"] = torch.zeros_like(param, memory_format=torch.contiguous_format)
                 p.grad = grad.data_ptr() or None
                 p.momentum = state["momentum_buffer"].data_ptr() or None
-            rows, cols = param.shape
+            rows, cols = e["shape"]
+            p.row_blocks = e["row_blocks"]
             if e["dim"] is None or group_size(self.process_group) == 1:
                 p.layout = c.Layout(rows, cols, c.REPLICATED, 1, None)
             else:
                 sizes = self._shard_sizes[id(param)]
-                if sizes[rank] != param.shape[e["dim"]]:
+                if sizes[rank] != e["shape"][e["dim"]]:
                     raise ValueError(f"{e['name']}: its shard changed size since the first step")
                 array = (ctypes.c_int64 * len(sizes))(*sizes)
                 keepalive.append(array)
@@ -405,7 +422,10 @@ def load_resharded_state_dict(optimizer: Muon, state_dicts: Sequence[Dict[str, A
             if getattr(param, "tensor_model_parallel", None) is False:
                 attribute = -1
             dim = attribute if attribute is not None else group.get("partition_dim")
-            entries.append({"param": param, "dim": None if dim in (None, -1) else dim})
+            # dim is the tensor's (2 for a 3D parameter's columns); its extent there is the
+            # shard size the step records.
+            entries.append({"param": param, "dim": None if dim in (None, -1) else dim,
+                            "shape": tuple(param.shape)})
     device = next((e["param"].device for e in entries), torch.device("cpu"))
     optimizer._gather_shard_sizes([e for e in entries if e["dim"] is not None], device)
     rank = group_rank(optimizer.process_group)

@@ -174,3 +174,26 @@ def test_a_state_saved_on_two_ranks_loads_on_three_and_on_one():
         launch(_save, 2, directory)
         launch(_load, 3, directory, 2)
         launch(_load, 1, directory, 2)
+
+
+def _experts_sharded_by_columns(rank, world):
+    generator = torch.Generator().manual_seed(11)
+    whole = 0.05 * torch.randn(3, 8, 13, dtype=torch.float64, generator=generator)
+    grad = torch.randn(3, 8, 13, dtype=torch.float64, generator=generator)
+    sizes = split(13, WEIGHTS[world])
+    p = torch.nn.Parameter(shard_of(whole, 2, sizes, rank))
+    p.partition_dim = 2
+    optimizer = st.Muon([p], lr=0.02, weight_decay=0.0, process_group=dist.group.WORLD)
+    p.grad = shard_of(grad, 2, sizes, rank)
+    optimizer.step()
+    for e in range(3):
+        expected, _ = reference.muon_step(whole[e], grad[e], torch.zeros(8, 13, dtype=torch.float64),
+                                          lr=0.02, weight_decay=0.0)
+        mine = shard_of(expected, 1, sizes, rank)
+        if mine.numel():
+            assert reference.relative_error(p.detach()[e], mine) < 1e-11, (rank, e)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_experts_sharded_by_columns_match_each_expert_alone(world):
+    launch(_experts_sharded_by_columns, world)

@@ -262,3 +262,35 @@ def test_newton_schulz_estimate_grows_with_the_work():
     # At least the update products X <- P X (2 s^2 L flops each, not symmetric) at the
     # 760 TFLOP/s it assumes; the symmetric products make the rest cheaper than 2 s^2 L + 2 s^3.
     assert large > 5 * 2 * 4096**2 * 14336 / 760e12
+
+
+def test_experts_and_fused_parts_are_orthogonalized_one_by_one():
+    generator = torch.Generator().manual_seed(5)
+    experts = torch.nn.Parameter(0.05 * torch.randn(3, 8, 12, dtype=torch.float64, generator=generator))
+    fused = torch.nn.Parameter(0.05 * torch.randn(10, 6, dtype=torch.float64, generator=generator))
+    fused.muon_row_blocks = 2  # gate and up halves
+    optimizer = st.Muon([experts, fused], lr=0.02, weight_decay=0.0)
+    experts.grad = torch.randn(3, 8, 12, dtype=torch.float64, generator=generator)
+    fused.grad = torch.randn(10, 6, dtype=torch.float64, generator=generator)
+    expected, initial = [], [experts[e].detach().clone() for e in range(3)]
+    for w, g in [(experts[e], experts.grad[e]) for e in range(3)] + \
+            [(fused[:5], fused.grad[:5]), (fused[5:], fused.grad[5:])]:
+        new_w, _ = reference.muon_step(w.detach().clone(), g, torch.zeros_like(g), lr=0.02, weight_decay=0.0)
+        expected.append(new_w)
+    optimizer.step()
+    got = [experts[e].detach() for e in range(3)] + [fused[:5].detach(), fused[5:].detach()]
+    for e, (x, y) in enumerate(zip(got, expected)):
+        assert reference.relative_error(x, y) < 1e-11, e
+    # One matrix per expert, not one over all of them: the whole stack's step differs.
+    stack, _ = reference.muon_step(torch.cat(initial), experts.grad.reshape(24, 12),
+                                   torch.zeros(24, 12, dtype=torch.float64), lr=0.02, weight_decay=0.0)
+    assert reference.relative_error(torch.cat(got[:3]), stack) > 1e-3
+
+
+def test_3d_parameters_take_only_column_or_no_sharding():
+    p = torch.nn.Parameter(torch.randn(2, 4, 6))
+    p.partition_dim = 1
+    optimizer = st.Muon([p], lr=0.01)
+    p.grad = torch.randn(2, 4, 6)
+    with pytest.raises(ValueError, match="partition_dim 2"):
+        optimizer.step()

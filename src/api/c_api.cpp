@@ -425,6 +425,7 @@ shardmuon_status shardmuon_abi_layout(const char* type, const char* field, size_
         SHARDMUON_FIELD(shardmuon_muon_param, layout),
         SHARDMUON_FIELD(shardmuon_muon_param, group),
         SHARDMUON_FIELD(shardmuon_muon_param, no_grad),
+        SHARDMUON_FIELD(shardmuon_muon_param, row_blocks),
         SHARDMUON_STRUCT(shardmuon_comm_callbacks),
         SHARDMUON_FIELD(shardmuon_comm_callbacks, user_data),
         SHARDMUON_FIELD(shardmuon_comm_callbacks, rank),

@@ -45,6 +45,47 @@ void check_buffer(const Backend& backend, const void* pointer, const char* field
   ranges.push_back({begin, begin + elements * element_size(dtype), index, field});
 }
 
+// The problems of row_blocks matrices stacked along dim 0 of `whole`, and where each starts
+// in this rank's shard. A block of a dim-1 shard (or of a replicated matrix) is rows of every
+// rank's shard; a block of a dim-0 shard lies on the ranks whose rows it meets, in pieces that
+// are contiguous rows of their shards.
+std::vector<MuonParamPlan::RowBlock> split_rows(const NsProblem& whole, int64_t row_blocks,
+                                                shardmuon_ns_algorithm requested,
+                                                const Communicator& comm) {
+  const ShardLayout& layout = whole.layout;
+  const int rank = comm.rank(), ranks = comm.size();
+  const int64_t rows = layout.rows() / row_blocks, cols = layout.cols();
+  const int iterations = static_cast<int>(whole.coefficients.size());
+  std::vector<MuonParamPlan::RowBlock> blocks(row_blocks);
+  for (int64_t b = 0; b < row_blocks; ++b) {
+    std::vector<int64_t> sizes(ranks, 0);
+    shardmuon_layout api{rows, cols, layout.partition(), ranks, nullptr};
+    int64_t offset = b * rows * layout.local_cols(rank);
+    if (layout.is_sharded() && layout.sharded_dim() == 0) {
+      const int64_t first = b * rows, last = first + rows;
+      for (int r = 0; r < ranks; ++r) {
+        const int64_t begin = std::max(first, layout.shard_offsets()[r]);
+        const int64_t end = std::min(last, layout.shard_offsets()[r] + layout.shard_sizes()[r]);
+        sizes[r] = std::max<int64_t>(0, end - begin);
+      }
+      offset =
+          sizes[rank] > 0
+              ? (std::max(first, layout.shard_offsets()[rank]) - layout.shard_offsets()[rank]) *
+                    cols
+              : 0;
+      api.shard_sizes = sizes.data();
+    } else if (layout.is_sharded()) {
+      api.shard_sizes = layout.shard_sizes().data();
+    }
+    MuonParamPlan::RowBlock& block = blocks[b];
+    block.ns = whole;
+    block.ns.layout = ShardLayout::from_api(api, ranks);
+    block.ns.plan = plan_newton_schulz(block.ns.layout, ranks, requested, iterations);
+    block.offset = offset;
+  }
+  return blocks;
+}
+
 }  // namespace
 
 double muon_update_scale(shardmuon_scale_mode mode, int64_t rows, int64_t cols) {
@@ -155,8 +196,12 @@ ValidatedMuonStep validate_muon_step(const Backend& backend, const Communicator&
       case SHARDMUON_WEIGHT_DECAY_L2: plan.l2_decay = wd; break;
       case SHARDMUON_WEIGHT_DECAY_NONE: break;
     }
+    const int64_t row_blocks = p.row_blocks == 0 ? 1 : p.row_blocks;
+    SHARDMUON_CHECK_ARG(row_blocks >= 1 && layout.rows() % row_blocks == 0, name, ".row_blocks (",
+                        p.row_blocks, ") must divide the ", layout.rows(), " rows");
+    // Each stacked matrix is scaled by its own shape.
     plan.step_size = lr * group.extra_scale_factor *
-                     muon_update_scale(group.scale_mode, layout.rows(), layout.cols());
+                     muon_update_scale(group.scale_mode, layout.rows() / row_blocks, layout.cols());
     const int64_t elements = layout.local_elements(comm.rank());
     if (elements > 0) {
       check_buffer(backend, p.param, "param", i, elements, p.dtype, ranges);
@@ -171,10 +216,13 @@ ValidatedMuonStep validate_muon_step(const Backend& backend, const Communicator&
         p.dtype, layout, coefficients_for(group.ns), group.ns.eps,
         plan_newton_schulz(layout, comm.size(), group.ns.algorithm, group.ns.num_iterations)};
     plan.requested = group.ns.algorithm;
+    if (row_blocks > 1) {
+      plan.row_blocks = split_rows(plan.ns, row_blocks, group.ns.algorithm, comm);
+    }
 
     digest.add(p.dtype).add(p.layout.rows).add(p.layout.cols).add(p.layout.partition);
     for (int64_t size : layout.shard_sizes()) digest.add(size);
-    digest.add(group_index).add(plan.has_grad);
+    digest.add(group_index).add(plan.has_grad).add(row_blocks);
     step.plans.push_back(std::move(plan));
   }
 
@@ -206,7 +254,8 @@ void plan_owners(ValidatedMuonStep& step, int ranks) {
   std::vector<size_t> requested, automatic;  // indexes into step.plans
   for (size_t i = 0; i < step.plans.size(); ++i) {
     const MuonParamPlan& plan = step.plans[i];
-    if (!plan.has_grad || !plan.ns.layout.is_sharded()) continue;
+    // Stacked matrices go one by one (each block is its own problem).
+    if (!plan.has_grad || !plan.ns.layout.is_sharded() || !plan.row_blocks.empty()) continue;
     if (plan.requested == SHARDMUON_NS_OWNER) requested.push_back(i);
     if (plan.requested == SHARDMUON_NS_AUTO) automatic.push_back(i);
   }
@@ -364,6 +413,11 @@ struct StepLayout {
         layout.matrix[i] = take(plan.whole.layout.rows() * plan.whole.layout.cols() *
                                 element_size(plan.whole.dtype));
         scratch = std::max(scratch, newton_schulz_workspace_bytes(backend, plan.whole, 0, 1));
+      } else if (!plan.row_blocks.empty()) {
+        for (const MuonParamPlan::RowBlock& block : plan.row_blocks) {
+          scratch =
+              std::max(scratch, newton_schulz_workspace_bytes(backend, block.ns, rank, ranks));
+        }
       } else if (plan.owner < 0) {
         scratch = std::max(scratch, newton_schulz_workspace_bytes(backend, plan.ns, rank, ranks));
       }
@@ -477,7 +531,16 @@ void run_muon_step(Backend& backend, Communicator& comm, const ValidatedMuonStep
   for (size_t i = 0; i < step.plans.size(); ++i) {
     const MuonParamPlan& plan = step.plans[i];
     if (!plan.has_grad || plan.owner >= 0) continue;
-    run_newton_schulz(backend, comm, plan.ns, base + layout.update[i], stream, layout.scratch);
+    char* update = base + layout.update[i];
+    if (plan.row_blocks.empty()) {
+      run_newton_schulz(backend, comm, plan.ns, update, stream, layout.scratch);
+      continue;
+    }
+    const size_t element = element_size(plan.ns.dtype);
+    for (const MuonParamPlan::RowBlock& block : plan.row_blocks) {
+      run_newton_schulz(backend, comm, block.ns, update + block.offset * element, stream,
+                        layout.scratch);
+    }
   }
 
   if (!checked) {

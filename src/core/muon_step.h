@@ -26,6 +26,13 @@ struct MuonParamPlan {
   // matrix is distributed on its own by ns.plan. `whole` is the owner's local problem.
   int owner = -1;
   NsProblem whole;
+  // With row_blocks > 1, the stacked matrices' own problems and where each starts in this
+  // rank's shard (elements); empty otherwise (ns is then the one problem).
+  struct RowBlock {
+    NsProblem ns;
+    int64_t offset = 0;
+  };
+  std::vector<RowBlock> row_blocks;
   shardmuon_ns_algorithm requested = SHARDMUON_NS_AUTO;  // the group's ns.algorithm
 };
 

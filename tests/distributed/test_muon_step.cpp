@@ -27,6 +27,7 @@ struct Parameter {
   std::vector<int64_t> sizes;  // along the sharded dim (or empty when replicated)
   int group = 0;
   bool has_grad = true;
+  int64_t row_blocks = 1;  // stacked matrices, each stepped on its own
   Buffer w_buffer, g_buffer, m_buffer;
 
   std::vector<double> shard(const Matrix& x, int rank) const {
@@ -56,6 +57,21 @@ Parameter make_parameter(int64_t rows, int64_t cols, shardmuon_dtype dtype,
     p.grads.push_back(rounded_to(random_gaussian(rows, cols, seed + 10 + s), dtype));
   }
   return p;
+}
+
+// The oracle's step of each stacked matrix on its own (all of them when row_blocks is 1).
+void reference_step_by_blocks(Parameter& p, int step, const ReferenceGroup& reference) {
+  const int64_t rows = p.w.rows / p.row_blocks, cols = p.w.cols;
+  for (int64_t b = 0; b < p.row_blocks; ++b) {
+    Matrix w(rows, cols), g(rows, cols), m(rows, cols);
+    const size_t first = static_cast<size_t>(b * rows * cols), count = w.values.size();
+    std::copy_n(p.w.values.begin() + first, count, w.values.begin());
+    std::copy_n(p.grads[step].values.begin() + first, count, g.values.begin());
+    std::copy_n(p.m.values.begin() + first, count, m.values.begin());
+    reference_muon_step(w, g, m, reference);
+    std::copy_n(w.values.begin(), count, p.w.values.begin() + first);
+    std::copy_n(m.values.begin(), count, p.m.values.begin() + first);
+  }
 }
 
 shardmuon_muon_group to_api(const ReferenceGroup& g, shardmuon_schedule schedule, int iterations) {
@@ -109,13 +125,14 @@ void run_and_compare(const Group& group, StepRun& run, int steps, const std::str
       api[i].dtype = p.dtype;
       api[i].layout = p.layout(group.size);
       api[i].group = p.group;
+      api[i].row_blocks = p.row_blocks;
       if (p.has_grad) {
         ReferenceGroup reference = run.reference_groups[p.group];
         if (reference.coefficients.empty()) {
           reference.coefficients =
               coefficients_for(run.schedules[p.group], run.iterations[p.group]);
         }
-        reference_muon_step(p.w, p.grads[s], p.m, reference);
+        reference_step_by_blocks(p, s, reference);
       }
     }
     const shardmuon_status status =
@@ -285,6 +302,34 @@ TEST_F(MuonStepBatches, OwnersWithFewerMatricesThanRanks) {
   }
 }
 
+// Stacked matrices (row_blocks), each orthogonalized and scaled on its own: a mixture-of-
+// experts weight (4 experts of 9 x 20), a fused QKV split by head (6 heads of 5 rows) sharded
+// along its rows unevenly, so that heads straddle ranks, gate/up halves sharded along the
+// columns; under AUTO and DUPLICATED.
+TEST_F(MuonStepBatches, StackedMatricesAreOrthogonalizedOneByOne) {
+  for (const shardmuon_ns_algorithm algorithm : {SHARDMUON_NS_AUTO, SHARDMUON_NS_DUPLICATED}) {
+    for (int p = 1; p <= Harness::get().max_group_size(); ++p) {
+      const Group& group = Harness::get().group(p);
+      if (!group.member) continue;
+      std::vector<Parameter> params;
+      params.push_back(make_parameter(36, 20, SHARDMUON_FLOAT32, SHARDMUON_REPLICATED, p, 31, 2));
+      params.push_back(make_parameter(30, 16, SHARDMUON_FLOAT32, SHARDMUON_SHARDED_DIM0, p, 32, 2));
+      params.push_back(
+          make_parameter(26, 21, SHARDMUON_BFLOAT16, SHARDMUON_SHARDED_DIM1, p, 33, 2));
+      params[0].row_blocks = 4;
+      params[1].row_blocks = 6;
+      params[2].row_blocks = 2;
+      ReferenceGroup reference;
+      reference.scale_mode = SHARDMUON_SCALE_SHAPE_SCALING;  // by each block's shape
+      StepRun run{params, {reference}, {SHARDMUON_SCHEDULE_QUINTIC}, {5}};
+      run.algorithm = algorithm;
+      run_and_compare(
+          group, run, 2,
+          "stacked, algorithm " + std::to_string(algorithm) + " P=" + std::to_string(p));
+    }
+  }
+}
+
 // A step with no parameters, or with every gradient absent, is a valid no-op.
 TEST_F(MuonStepBatches, EmptyBatchesAreNoOps) {
   const Group& group = Harness::get().group(Harness::get().max_group_size());
@@ -341,7 +386,7 @@ struct StepCall {
       p.g_buffer = Harness::get().upload(before[before.size() - 2]);
       p.m_buffer = Harness::get().upload(before[before.size() - 1]);
       api.push_back({p.w_buffer.data(), p.g_buffer.data(), p.m_buffer.data(), p.dtype,
-                     p.layout(group.size), 0, 0});
+                     p.layout(group.size), 0, 0, 1});
     }
     api[1].group = 1;
   }

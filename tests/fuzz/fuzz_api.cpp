@@ -121,6 +121,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     p.layout = layout;
     p.group = in.small(-1, 1);
     p.no_grad = in.small(-1, 2);
+    p.row_blocks = in.small(-1, 3);
     status = shardmuon_muon_step(fixture.context, fixture.comm, &p, in.small(0, 1), &group,
                                  in.small(0, 1), nullptr);
   }
