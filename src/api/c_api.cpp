@@ -32,6 +32,7 @@ const char* algorithm_name(int algorithm) {
     case SHARDMUON_NS_DUPLICATED: return "duplicated";
     case SHARDMUON_NS_GRAM_ALLREDUCE: return "gram_allreduce";
     case SHARDMUON_NS_OWNER: return "owner";
+    case SHARDMUON_NS_GRAM_NEWTON_SCHULZ: return "gram_newton_schulz";
   }
   return "unknown";
 }

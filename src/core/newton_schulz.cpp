@@ -69,6 +69,10 @@ struct IterationBuffers {
   void* gram_full;    // A, storage dtype, the operand of A A
   void* poly_packed;  // P's lower block columns, accumulate dtype
   void* poly_full;    // P, storage dtype, the operand of P X
+  // (e) only: the accumulated polynomial M, a product's full result, and a packed result.
+  void* product_full;
+  void* other_full;
+  void* work_packed;
   void* sum_of_squares;
   void* reduce_scratch;
   size_t reduce_scratch_bytes;
@@ -78,10 +82,12 @@ struct IterationSlots {
   WideBlock padded;
   SymmetricTiles tiles;
   size_t x0, x1, gram_packed, gram_full, poly_packed, poly_full, sum_of_squares, reduce_scratch;
+  size_t product_full, other_full, work_packed;
   size_t reduce_scratch_bytes;
 
   static IterationSlots reserve(WorkspaceCarver& carver, const Backend& backend,
-                                shardmuon_dtype dtype, const WideBlock& block) {
+                                shardmuon_dtype dtype, const WideBlock& block,
+                                bool gram_iteration) {
     const size_t storage = element_size(dtype);
     const size_t accumulate = element_size(accumulate_dtype(dtype));
     IterationSlots slots;
@@ -96,6 +102,9 @@ struct IterationSlots {
     slots.gram_full = carver.reserve(full * storage);
     slots.poly_packed = carver.reserve(packed * accumulate);
     slots.poly_full = carver.reserve(full * storage);
+    slots.product_full = carver.reserve(gram_iteration ? full * storage : 0);
+    slots.other_full = carver.reserve(gram_iteration ? full * storage : 0);
+    slots.work_packed = carver.reserve(gram_iteration ? packed * accumulate : 0);
     slots.sum_of_squares = carver.reserve(accumulate);
     slots.reduce_scratch_bytes = backend.sum_of_squares_scratch_bytes(dtype, block.elements());
     slots.reduce_scratch = carver.reserve(slots.reduce_scratch_bytes);
@@ -112,6 +121,9 @@ struct IterationSlots {
     buffers.gram_full = carver.pointer(gram_full);
     buffers.poly_packed = carver.pointer(poly_packed);
     buffers.poly_full = carver.pointer(poly_full);
+    buffers.product_full = carver.pointer(product_full);
+    buffers.other_full = carver.pointer(other_full);
+    buffers.work_packed = carver.pointer(work_packed);
     buffers.sum_of_squares = carver.pointer(sum_of_squares);
     buffers.reduce_scratch = carver.pointer(reduce_scratch);
     buffers.reduce_scratch_bytes = reduce_scratch_bytes;
@@ -177,34 +189,51 @@ void gram_product(Backend& backend, Communicator* comm, shardmuon_dtype dtype,
 // where a singular value is near 1, a + b s^2 + c s^4 is far smaller than its terms (the
 // quintic's first step maps 1 to 0.117 from terms of size 4 to 7), so rounding B = b A + c A A
 // on its own would lose up to 35x more accuracy than rounding P, whose size is the result's.
-void gram_polynomial(Backend& backend, shardmuon_dtype dtype, const WideBlock& block,
-                     const Coefficients& coefficients, const IterationBuffers& buffers,
-                     Stream stream) {
+// d = alpha A B + beta c on the lower block columns (packed, accumulate dtype), for full s x s
+// operands A and B (storage dtype) whose product is symmetric: A A, or products of
+// polynomials in the same Gram matrix, which commute.
+void symmetric_product(Backend& backend, shardmuon_dtype dtype, const SymmetricTiles& tiles,
+                       const void* a, const void* b, double alpha, double beta, const void* c,
+                       void* d, Stream stream) {
   const shardmuon_dtype accumulate = accumulate_dtype(dtype);
   const size_t element = element_size(dtype), accumulate_element = element_size(accumulate);
-  const SymmetricTiles& tiles = buffers.tiles;
+  const int64_t s = tiles.n;
   for (int j = 0; j < tiles.blocks(); ++j) {
-    // A[start:, :] A[:, start:start+width] (A is symmetric and full in gram_full).
+    // A[start:, :] B[:, start:start+width]
     const int64_t packed_offset = tiles.offset(j) * accumulate_element;
     GemmCall call;
     call.m = tiles.rows(j);
     call.n = tiles.width(j);
-    call.k = block.s;
-    call.alpha = coefficients.c;
-    call.beta = coefficients.b;
-    call.a = byte_offset(buffers.gram_full, tiles.start(j) * element);
-    call.lda = block.s;
-    call.b = byte_offset(buffers.gram_full, tiles.start(j) * block.s * element);
-    call.ldb = block.s;
+    call.k = s;
+    call.alpha = alpha;
+    call.beta = beta;
+    call.a = byte_offset(a, tiles.start(j) * element);
+    call.lda = s;
+    call.b = byte_offset(b, tiles.start(j) * s * element);
+    call.ldb = s;
     call.ab_type = dtype;
-    call.c = byte_offset(buffers.gram_packed, packed_offset);
-    call.d = byte_offset(buffers.poly_packed, packed_offset);
+    call.c = beta != 0.0 ? byte_offset(c, packed_offset) : nullptr;
+    call.d = byte_offset(d, packed_offset);
     call.ldc = call.ldd = tiles.rows(j);
     call.cd_type = accumulate;
     backend.gemm(call, stream);
   }
-  backend.unpack_symmetric(buffers.poly_packed, accumulate, tiles, buffers.poly_full, dtype,
-                           coefficients.a, stream);
+}
+
+// P = a I + b A + c A A, lower block columns of c A A + b A in the accumulate dtype, then
+// a I added while unpacking, which rounds P once to the storage dtype for X <- P X.
+//
+// Folding a I into P before rounding (rather than computing a X + B X) matters for bf16:
+// where a singular value is near 1, a + b s^2 + c s^4 is far smaller than its terms (the
+// quintic's first step maps 1 to 0.117 from terms of size 4 to 7), so rounding B = b A + c A A
+// on its own would lose up to 35x more accuracy than rounding P, whose size is the result's.
+void gram_polynomial(Backend& backend, shardmuon_dtype dtype, const Coefficients& coefficients,
+                     const IterationBuffers& buffers, Stream stream) {
+  symmetric_product(backend, dtype, buffers.tiles, buffers.gram_full, buffers.gram_full,
+                    coefficients.c, coefficients.b, buffers.gram_packed, buffers.poly_packed,
+                    stream);
+  backend.unpack_symmetric(buffers.poly_packed, accumulate_dtype(dtype), buffers.tiles,
+                           buffers.poly_full, dtype, coefficients.a, stream);
 }
 
 // x_next = P X for this block's columns of X (P is symmetric, so in the transposed view
@@ -236,6 +265,74 @@ void apply_polynomial(Backend& backend, shardmuon_dtype dtype, const WideBlock& 
     call.ldc = call.ldd = block.s;
   }
   backend.gemm(call, stream);
+}
+
+// Newton-Schulz proper: every iteration forms the Gram of X and multiplies X by the
+// polynomial. Starts from buffers.x[0]; returns where the result is.
+const void* iterate_on_x(Backend& backend, Communicator* comm, const NsProblem& problem,
+                         const IterationBuffers& buffers, void* data, bool staged, Stream stream) {
+  const WideBlock& padded = buffers.padded;
+  const void* x = buffers.x[0];
+  const size_t iterations = problem.coefficients.size();
+  for (size_t k = 0; k < iterations; ++k) {
+    void* x_next = k + 1 == iterations && !staged ? data : buffers.x[(k + 1) % 2];
+    gram_product(backend, comm, problem.dtype, padded, x, buffers, stream);
+    gram_polynomial(backend, problem.dtype, problem.coefficients[k], buffers, stream);
+    apply_polynomial(backend, problem.dtype, padded, buffers.poly_full, x, x_next, stream);
+    x = x_next;
+  }
+  return x;
+}
+
+// (e) Gram Newton-Schulz. With R = X X^T, one step X' = Q X (Q = a I + b R + c R^2) gives
+// R' = Q R Q, so the iteration can run on R alone, collecting M = Q_k ... Q_0, and X is
+// multiplied once, by M, at the end. Q, R, M and R Q are polynomials in the first R, so they
+// are symmetric and commute: every product is computed as lower block columns. In bfloat16
+// R's rounding errors grow with each step (R's condition is X's squared), so the iteration
+// restarts every kRestartBf16 steps: X <- M X, R recomputed from it, M <- I.
+const void* iterate_on_gram(Backend& backend, Communicator* comm, const NsProblem& problem,
+                            const IterationBuffers& buffers, void* data, bool staged,
+                            Stream stream) {
+  constexpr size_t kRestartBf16 = 2;
+  const shardmuon_dtype dtype = problem.dtype, accumulate = accumulate_dtype(dtype);
+  const WideBlock& padded = buffers.padded;
+  const SymmetricTiles& tiles = buffers.tiles;
+  const size_t iterations = problem.coefficients.size();
+  const size_t restart = dtype == SHARDMUON_BFLOAT16 ? kRestartBf16 : iterations;
+  const size_t full_bytes = static_cast<size_t>(padded.s * padded.s) * element_size(dtype);
+  void* m = buffers.product_full;
+  const void* x = buffers.x[0];
+  int next_x = 1;
+  for (size_t k = 0; k < iterations; ++k) {
+    const bool first = k % restart == 0;
+    const bool last = k + 1 == iterations || (k + 1) % restart == 0;
+    if (first) gram_product(backend, comm, dtype, padded, x, buffers, stream);  // R
+    gram_polynomial(backend, dtype, problem.coefficients[k], buffers, stream);  // Q
+    if (first) {                                                                // M = Q
+      backend.copy_2d(m, full_bytes, buffers.poly_full, full_bytes, full_bytes, 1, stream);
+    } else {  // M <- Q M
+      symmetric_product(backend, dtype, tiles, buffers.poly_full, m, 1.0, 0.0, nullptr,
+                        buffers.work_packed, stream);
+      backend.unpack_symmetric(buffers.work_packed, accumulate, tiles, m, dtype, 0.0, stream);
+    }
+    if (!last) {  // R <- Q (R Q)
+      symmetric_product(backend, dtype, tiles, buffers.gram_full, buffers.poly_full, 1.0, 0.0,
+                        nullptr, buffers.work_packed, stream);
+      backend.unpack_symmetric(buffers.work_packed, accumulate, tiles, buffers.other_full, dtype,
+                               0.0, stream);
+      symmetric_product(backend, dtype, tiles, buffers.poly_full, buffers.other_full, 1.0, 0.0,
+                        nullptr, buffers.gram_packed, stream);
+      backend.unpack_symmetric(buffers.gram_packed, accumulate, tiles, buffers.gram_full, dtype,
+                               0.0, stream);
+      continue;
+    }
+    // X <- M X, at a restart or at the end.
+    void* x_next = k + 1 == iterations && !staged ? data : buffers.x[next_x];
+    apply_polynomial(backend, dtype, padded, m, x, x_next, stream);
+    x = x_next;
+    next_x = 1 - next_x;
+  }
+  return x;
 }
 
 // Normalizes and iterates on a long-side block in place. With comm, the block is one of
@@ -276,15 +373,9 @@ void iterate_on_block(Backend& backend, Communicator* comm, const NsProblem& pro
 
   // The iterates alternate between the two scratch buffers; unstaged, the last one lands
   // in `data`, so the caller's memory is written only by the final product.
-  const void* x = buffers.x[0];
-  const size_t iterations = problem.coefficients.size();
-  for (size_t k = 0; k < iterations; ++k) {
-    void* x_next = k + 1 == iterations && !staged ? data : buffers.x[(k + 1) % 2];
-    gram_product(backend, comm, dtype, padded, x, buffers, stream);
-    gram_polynomial(backend, dtype, padded, problem.coefficients[k], buffers, stream);
-    apply_polynomial(backend, dtype, padded, buffers.poly_full, x, x_next, stream);
-    x = x_next;
-  }
+  const void* x = problem.plan.gram_iteration
+                      ? iterate_on_gram(backend, comm, problem, buffers, data, staged, stream)
+                      : iterate_on_x(backend, comm, problem, buffers, data, staged, stream);
   if (staged && count > 0) {
     backend.copy_2d(data, block.storage_cols() * element, x, padded.storage_cols() * element,
                     block.storage_cols() * element, block.storage_rows(), stream);
@@ -376,8 +467,8 @@ struct Scratch {
         }
         break;
     }
-    scratch.iteration =
-        IterationSlots::reserve(scratch.carver, backend, problem.dtype, scratch.block);
+    scratch.iteration = IterationSlots::reserve(scratch.carver, backend, problem.dtype,
+                                                scratch.block, problem.plan.gram_iteration);
     return scratch;
   }
 
@@ -488,6 +579,11 @@ void run_redistributed(Backend& backend, Communicator& comm, const NsProblem& pr
 
 NsPlan plan_newton_schulz(const ShardLayout& layout, int comm_size,
                           shardmuon_ns_algorithm requested, int iterations) {
+  if (requested == SHARDMUON_NS_GRAM_NEWTON_SCHULZ) {
+    NsPlan plan = plan_newton_schulz(layout, comm_size, SHARDMUON_NS_AUTO, iterations);
+    plan.gram_iteration = true;
+    return plan;
+  }
   NsPlan plan;
   if (!layout.is_sharded() || comm_size == 1) return plan;  // nothing to communicate
   NsPlan duplicated;

@@ -21,6 +21,9 @@ struct NsPlan {
   Algorithm algorithm = Algorithm::kLocal;
   // (d): the shards lie along the short side and are moved to the long side and back.
   bool redistributes = false;
+  // (e) Gram Newton-Schulz: iterate on the s x s Gram matrix and apply the accumulated
+  // polynomial to X at the end (and at restarts), whatever the distribution.
+  bool gram_iteration = false;
 };
 
 // The algorithm for one matrix: the requested one, or for AUTO the cheaper of (a) and

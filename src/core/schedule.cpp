@@ -79,9 +79,9 @@ void validate_ns_options(const shardmuon_ns_options& options) {
                       "options->schedule is unknown: ", static_cast<int>(options.schedule));
   SHARDMUON_CHECK_ARG(std::isfinite(options.eps) && options.eps >= 0,
                       "options->eps must be finite and >= 0, got ", options.eps);
-  SHARDMUON_CHECK_ARG(
-      options.algorithm >= SHARDMUON_NS_AUTO && options.algorithm <= SHARDMUON_NS_OWNER,
-      "options->algorithm is unknown: ", static_cast<int>(options.algorithm));
+  SHARDMUON_CHECK_ARG(options.algorithm >= SHARDMUON_NS_AUTO &&
+                          options.algorithm <= SHARDMUON_NS_GRAM_NEWTON_SCHULZ,
+                      "options->algorithm is unknown: ", static_cast<int>(options.algorithm));
   if (options.schedule == SHARDMUON_SCHEDULE_CUSTOM) {
     SHARDMUON_CHECK_ARG(options.custom_coefficients != nullptr,
                         "options->custom_coefficients is NULL for the custom schedule");

@@ -48,9 +48,10 @@ const char* partition_label(shardmuon_partition partition) {
 }
 
 const char* algorithm_label(shardmuon_ns_algorithm algorithm) {
-  return algorithm == SHARDMUON_NS_AUTO         ? "auto"
-         : algorithm == SHARDMUON_NS_DUPLICATED ? "duplicated"
-                                                : "gram";
+  return algorithm == SHARDMUON_NS_AUTO                 ? "auto"
+         : algorithm == SHARDMUON_NS_DUPLICATED         ? "duplicated"
+         : algorithm == SHARDMUON_NS_GRAM_NEWTON_SCHULZ ? "gramns"
+                                                        : "gram";
 }
 
 // Skips the test on every rank when the harness has fewer ranks than the case needs;
@@ -102,7 +103,8 @@ std::vector<LayoutCase> layout_cases() {
                {ShardPattern::kBalanced, ShardPattern::kUneven, ShardPattern::kLastHoldsAll}) {
             if (p == 1 && pattern != ShardPattern::kBalanced) continue;  // all the same at P = 1
             for (shardmuon_ns_algorithm algorithm :
-                 {SHARDMUON_NS_AUTO, SHARDMUON_NS_DUPLICATED, SHARDMUON_NS_GRAM_ALLREDUCE}) {
+                 {SHARDMUON_NS_AUTO, SHARDMUON_NS_DUPLICATED, SHARDMUON_NS_GRAM_ALLREDUCE,
+                  SHARDMUON_NS_GRAM_NEWTON_SCHULZ}) {
               cases.push_back({shape, partition, p, pattern, algorithm, dtype});
             }
           }
