@@ -13,7 +13,7 @@ export PATH="/opt/torch/.venv/bin:$PATH:/usr/local/cuda/bin" OPENBLAS_NUM_THREAD
 export SHARDMUON_TEST_REPORT_ERRORS=1  # the tests print each case's error and tolerance
 mpi=(mpirun --allow-run-as-root --oversubscribe -x NCCL_NVLS_ENABLE -x TORCH_SYMM_MEM_DISABLE_MULTICAST
      -x NVSHMEM_DISABLE_NVLS -x OPENBLAS_NUM_THREADS -x SHARDMUON_TEST_REPORT_ERRORS)
-what="${1:-all}"  # all | tests | torch | final | timeout | speed
+what="${1:-all}"  # all | tests | torch | final | timeout | speed | step
 gpus=$(nvidia-smi -L | wc -l)
 nvidia-smi -L
 echo "gpus: $gpus"
@@ -89,6 +89,25 @@ if [[ "$what" == "speed" ]]; then
       --out "$out" --tag "_${setting//=/_}" --shapes "${SWEEP_SHAPES:-4096x14336,8192x8192,8192x28672}" \
       --dtypes bf16 --schedules quintic:5 --repeats 7 >"$out/sweep.log" 2>&1
   done
+  printf '%s\n' "${results[@]}"
+  exit 0
+fi
+if [[ "$what" == "step" ]]; then
+  # The whole optimizer step: the step's CUDA tests (owner per matrix, stacked matrices, Gram
+  # Newton-Schulz) on 1 and 2 GPUs, then bench/bench_step.py against the PyTorch loops.
+  for ranks in 1 2; do
+    log="$out/step_tests_np$ranks.log"
+    timeout 240 "${mpi[@]}" -np $ranks $build/tests/shardmuon_tests --backend=cuda --gtest_brief=1 \
+      --gtest_filter='MuonStep*:CppMuon*:NonFinite*:*gramns*' >"$log" 2>&1
+    rc=$?
+    grep -E "^\[rank|Failure|FAILED" "$log" | head -20
+    results+=("step tests on $ranks GPU(s): rc=$rc $(grep -E 'PASSED|FAILED  \]|SKIPPED \]' "$log" | sed 's/\x1b\[[0-9;]*m//g' | tr '\n' ' ')")
+  done
+  export SHARDMUON_LIBRARY="$root/$build/libshardmuon.so"
+  timeout "${BENCH_TIMEOUT:-300}" torchrun --nproc_per_node="$gpus" bench/bench_step.py --out "$out" \
+    ${BENCH_ARGS:-} >"$out/bench_step.log" 2>&1
+  results+=("step benchmark: rc=$?")
+  grep -E "^\||GEMM|whole-step" "$out/bench_step.log"
   printf '%s\n' "${results[@]}"
   exit 0
 fi
