@@ -248,24 +248,48 @@ ValidatedMuonStep validate_muon_step(const Backend& backend, const Communicator&
   return step;
 }
 
+namespace {
+
+// The matrices of a parameter as owner-batch entries (owner still unassigned).
+std::vector<OwnedMatrix> matrices_of(const MuonParamPlan& plan, size_t index) {
+  std::vector<OwnedMatrix> matrices;
+  auto add = [&](const NsProblem& ns, int64_t offset) {
+    OwnedMatrix m;
+    m.param = index;
+    m.offset = offset;
+    m.ns = ns;
+    m.whole = ns;
+    const shardmuon_layout whole{ns.layout.rows(), ns.layout.cols(), SHARDMUON_REPLICATED, 1,
+                                 nullptr};
+    m.whole.layout = ShardLayout::from_api(whole, 1);
+    m.whole.plan = NsPlan{};  // local
+    matrices.push_back(std::move(m));
+  };
+  if (plan.row_blocks.empty()) add(plan.ns, 0);
+  for (const MuonParamPlan::RowBlock& block : plan.row_blocks) add(block.ns, block.offset);
+  return matrices;
+}
+
+}  // namespace
+
 void plan_owners(ValidatedMuonStep& step, int ranks) {
   if (ranks == 1) return;
   const MachineModel machine;
   std::vector<size_t> requested, automatic;  // indexes into step.plans
   for (size_t i = 0; i < step.plans.size(); ++i) {
     const MuonParamPlan& plan = step.plans[i];
-    // Stacked matrices go one by one (each block is its own problem).
-    if (!plan.has_grad || !plan.ns.layout.is_sharded() || !plan.row_blocks.empty()) continue;
+    if (!plan.has_grad) continue;
     if (plan.requested == SHARDMUON_NS_OWNER) requested.push_back(i);
-    if (plan.requested == SHARDMUON_NS_AUTO) automatic.push_back(i);
+    // Replicated parameters join only when asked: their owner's result replaces every
+    // rank's, which is right for replicas (data parallelism) and only for them.
+    if (plan.requested == SHARDMUON_NS_AUTO && plan.ns.layout.is_sharded()) automatic.push_back(i);
   }
-  auto local_seconds = [&](size_t i) {
-    const NsProblem& ns = step.plans[i].ns;
+  auto local_seconds = [&](const OwnedMatrix& m) {
     return estimate_local_seconds(
-        NsCostInputs{ns.layout, 1, static_cast<int>(ns.coefficients.size())}, machine);
+        NsCostInputs{m.whole.layout, 1, static_cast<int>(m.ns.coefficients.size())}, machine);
   };
-  // Longest processing time first over the ranks; returns the owners and the makespan.
-  auto assign = [&](const std::vector<size_t>& batch, std::vector<int>& owners) {
+  // Longest processing time first over the ranks; returns the makespan.
+  auto assign = [&](std::vector<OwnedMatrix>& batch) {
     std::vector<size_t> order(batch.size());
     for (size_t k = 0; k < order.size(); ++k) order[k] = k;
     std::vector<double> cost(batch.size());
@@ -273,46 +297,53 @@ void plan_owners(ValidatedMuonStep& step, int ranks) {
     std::stable_sort(order.begin(), order.end(),
                      [&](size_t x, size_t y) { return cost[x] > cost[y]; });
     std::vector<double> load(ranks, 0.0);
-    owners.assign(batch.size(), 0);
     for (size_t k : order) {
       const int rank = static_cast<int>(std::min_element(load.begin(), load.end()) - load.begin());
-      owners[k] = rank;
+      batch[k].owner = rank;
       load[rank] += cost[k];
     }
     return *std::max_element(load.begin(), load.end());
   };
+  auto matrices_of_all = [&](const std::vector<size_t>& params) {
+    std::vector<OwnedMatrix> all;
+    for (size_t i : params) {
+      for (OwnedMatrix& m : matrices_of(step.plans[i], i)) all.push_back(std::move(m));
+    }
+    return all;
+  };
 
   std::vector<size_t> batch = requested;
-  if (automatic.size() >= 2) {
+  if (!automatic.empty()) {
     // Per matrix, the collectives of one matrix run one after another; with owners, the
     // work is spread and the shards move twice in all.
     double separately = 0.0, moved_bytes = 0.0;
     for (size_t i : automatic) {
-      const NsProblem& ns = step.plans[i].ns;
-      separately += estimate_plan_seconds(
-          ns.plan, NsCostInputs{ns.layout, ranks, static_cast<int>(ns.coefficients.size())},
-          machine);
-      moved_bytes += static_cast<double>(ns.layout.rows()) * static_cast<double>(ns.layout.cols()) *
-                     static_cast<double>(element_size(ns.dtype)) / ranks * (ranks - 1) / ranks;
+      const MuonParamPlan& plan = step.plans[i];
+      const int iterations = static_cast<int>(plan.ns.coefficients.size());
+      if (plan.row_blocks.empty()) {
+        separately += estimate_plan_seconds(
+            plan.ns.plan, NsCostInputs{plan.ns.layout, ranks, iterations}, machine);
+      }
+      for (const MuonParamPlan::RowBlock& block : plan.row_blocks) {
+        separately += estimate_plan_seconds(
+            block.ns.plan, NsCostInputs{block.ns.layout, ranks, iterations}, machine);
+      }
+      moved_bytes += static_cast<double>(plan.ns.layout.rows()) *
+                     static_cast<double>(plan.ns.layout.cols()) *
+                     static_cast<double>(element_size(plan.ns.dtype)) / ranks * (ranks - 1) / ranks;
     }
-    std::vector<int> owners;
+    std::vector<OwnedMatrix> candidates = matrices_of_all(automatic);
     const double together =
-        assign(automatic, owners) +
+        assign(candidates) +
         2 * (machine.seconds_per_collective + moved_bytes / machine.all_to_all_bytes_per_second);
-    if (together < separately) batch.insert(batch.end(), automatic.begin(), automatic.end());
+    if (candidates.size() >= 2 && together < separately) {
+      batch.insert(batch.end(), automatic.begin(), automatic.end());
+    }
   }
   std::sort(batch.begin(), batch.end());
-  std::vector<int> owners;
-  assign(batch, owners);
-  for (size_t k = 0; k < batch.size(); ++k) {
-    MuonParamPlan& plan = step.plans[batch[k]];
-    plan.owner = owners[k];
-    shardmuon_layout whole{plan.ns.layout.rows(), plan.ns.layout.cols(), SHARDMUON_REPLICATED, 1,
-                           nullptr};
-    plan.whole = plan.ns;
-    plan.whole.layout = ShardLayout::from_api(whole, 1);
-    plan.whole.plan = NsPlan{};  // local
-  }
+  step.owned = matrices_of_all(batch);
+  assign(step.owned);
+  for (size_t i : batch) step.plans[i].owned = true;
 }
 
 namespace {
@@ -340,27 +371,40 @@ size_t shard_bytes(const MuonParamPlan& plan, int rank) {
   return aligned_bytes(plan.ns.layout.local_elements(rank) * element_size(plan.ns.dtype));
 }
 
+size_t whole_bytes(const NsProblem& ns) {
+  return static_cast<size_t>(ns.layout.rows() * ns.layout.cols()) * element_size(ns.dtype);
+}
+
+// What a rank sends a matrix's owner in the first exchange (and gets back in the second): its
+// shard, or nothing for a replicated matrix, whose owner has it already.
+size_t exchanged_bytes(const OwnedMatrix& m, int rank) {
+  if (!m.ns.layout.is_sharded()) return 0;
+  return aligned_bytes(m.ns.layout.local_elements(rank) * element_size(m.ns.dtype));
+}
+
 // Where a step's buffers lie in the workspace, on one rank (offsets from its start):
 //   flags (checked): the step's, then one per parameter;
-//   new momentum (checked): one buffer per parameter with a gradient;
-//   updates: the owner-per-matrix parameters first, grouped by owner (the block of owner q is
-//     what this rank sends q), then the others;
-//   staging (owners): from each source rank, its shards of the matrices this rank owns, in
-//     the order the source sent them;
-//   whole matrices this rank owns; then the Newton-Schulz scratch.
+//   new momentum (checked) and the update: one buffer each per parameter with a gradient;
+//   the owner batch (DESIGN.md (f)): what this rank sends each owner, grouped by owner; what
+//     each source sends this rank; the whole matrices this rank owns; and, when the batch has
+//     replicated matrices, one block per rank of their results for an all-gather;
+//   then the Newton-Schulz scratch.
 struct StepLayout {
   size_t flags = 0;
   std::vector<size_t> new_momentum, update;          // per parameter
-  std::vector<size_t> peer_offsets, peer_bytes;      // the update blocks sent to each owner
-  std::vector<size_t> source_offsets, source_bytes;  // the staging blocks from each source
-  std::vector<std::vector<size_t>> piece;            // [parameter][source]: a shard in staging
-  std::vector<size_t> matrix;                        // per owned parameter
-  bool has_owner_batch = false;
+  std::vector<size_t> sent;                          // per owned matrix: its piece, to its owner
+  std::vector<size_t> peer_offsets, peer_bytes;      // per owner: the pieces sent it
+  std::vector<size_t> source_offsets, source_bytes;  // per source: the pieces it sent here
+  std::vector<std::vector<size_t>> received;         // [owned matrix][source]
+  std::vector<size_t> matrix;                        // per owned matrix (owner only)
+  size_t gathered = 0, gather_block_bytes = 0;       // replicated results, one block per rank
+  std::vector<size_t> result;                        // per replicated matrix: within its block
+  bool exchanges = false, gathers = false;
   size_t scratch = 0, total = 0;
 
   static StepLayout of(const Backend& backend, const ValidatedMuonStep& step, int rank, int ranks,
                        bool checked) {
-    const size_t n = step.plans.size();
+    const size_t n = step.plans.size(), owned = step.owned.size();
     StepLayout layout;
     size_t offset = 0;
     auto take = [&offset](size_t bytes) {
@@ -371,55 +415,63 @@ struct StepLayout {
     if (checked) layout.flags = take((1 + n) * sizeof(float));
     layout.new_momentum.assign(n, 0);
     layout.update.assign(n, 0);
-    layout.piece.assign(n, std::vector<size_t>(ranks, 0));
-    layout.matrix.assign(n, 0);
-    if (checked) {
-      for (size_t i = 0; i < n; ++i) {
-        if (step.plans[i].has_grad) layout.new_momentum[i] = take(shard_bytes(step.plans[i], rank));
-      }
+    for (size_t i = 0; i < n; ++i) {
+      if (!step.plans[i].has_grad) continue;
+      if (checked) layout.new_momentum[i] = take(shard_bytes(step.plans[i], rank));
+      layout.update[i] = take(shard_bytes(step.plans[i], rank));
     }
+
+    layout.sent.assign(owned, 0);
+    layout.received.assign(owned, std::vector<size_t>(ranks, 0));
+    layout.matrix.assign(owned, 0);
+    layout.result.assign(owned, 0);
     layout.peer_offsets.assign(ranks, 0);
     layout.peer_bytes.assign(ranks, 0);
     for (int q = 0; q < ranks; ++q) {
       layout.peer_offsets[q] = offset;
-      for (size_t i = 0; i < n; ++i) {
-        if (step.plans[i].owner != q) continue;
-        layout.has_owner_batch = true;
-        layout.update[i] = take(shard_bytes(step.plans[i], rank));
+      for (size_t k = 0; k < owned; ++k) {
+        if (step.owned[k].owner == q) layout.sent[k] = take(exchanged_bytes(step.owned[k], rank));
       }
       layout.peer_bytes[q] = offset - layout.peer_offsets[q];
     }
-    for (size_t i = 0; i < n; ++i) {
-      if (step.plans[i].has_grad && step.plans[i].owner < 0) {
-        layout.update[i] = take(shard_bytes(step.plans[i], rank));
-      }
-    }
-    take(1);  // the staging never starts where the updates do (MPI wants distinct buffers)
+    take(1);  // the receive region never starts where the send region does (MPI wants it)
     layout.source_offsets.assign(ranks, 0);
     layout.source_bytes.assign(ranks, 0);
     for (int source = 0; source < ranks; ++source) {
       layout.source_offsets[source] = offset;
-      for (size_t i = 0; i < n; ++i) {
-        if (step.plans[i].owner == rank)
-          layout.piece[i][source] = take(shard_bytes(step.plans[i], source));
+      for (size_t k = 0; k < owned; ++k) {
+        if (step.owned[k].owner == rank) {
+          layout.received[k][source] = take(exchanged_bytes(step.owned[k], source));
+        }
       }
       layout.source_bytes[source] = offset - layout.source_offsets[source];
     }
+    std::vector<size_t> results_of(ranks, 0);  // bytes of replicated results per owner
     size_t scratch = 0;
+    for (size_t k = 0; k < owned; ++k) {
+      const OwnedMatrix& m = step.owned[k];
+      layout.exchanges = layout.exchanges || m.ns.layout.is_sharded();
+      if (!m.ns.layout.is_sharded()) {
+        layout.gathers = true;
+        layout.result[k] = results_of[m.owner];
+        results_of[m.owner] += aligned_bytes(whole_bytes(m.ns));
+      }
+      if (m.owner != rank) continue;
+      layout.matrix[k] = take(whole_bytes(m.whole));
+      scratch = std::max(scratch, newton_schulz_workspace_bytes(backend, m.whole, 0, 1));
+    }
+    if (layout.gathers) {
+      layout.gather_block_bytes = *std::max_element(results_of.begin(), results_of.end());
+      layout.gathered = take(layout.gather_block_bytes * ranks);
+    }
     for (size_t i = 0; i < n; ++i) {
       const MuonParamPlan& plan = step.plans[i];
-      if (!plan.has_grad) continue;
-      if (plan.owner == rank) {
-        layout.matrix[i] = take(plan.whole.layout.rows() * plan.whole.layout.cols() *
-                                element_size(plan.whole.dtype));
-        scratch = std::max(scratch, newton_schulz_workspace_bytes(backend, plan.whole, 0, 1));
-      } else if (!plan.row_blocks.empty()) {
-        for (const MuonParamPlan::RowBlock& block : plan.row_blocks) {
-          scratch =
-              std::max(scratch, newton_schulz_workspace_bytes(backend, block.ns, rank, ranks));
-        }
-      } else if (plan.owner < 0) {
+      if (!plan.has_grad || plan.owned) continue;
+      if (plan.row_blocks.empty()) {
         scratch = std::max(scratch, newton_schulz_workspace_bytes(backend, plan.ns, rank, ranks));
+      }
+      for (const MuonParamPlan::RowBlock& block : plan.row_blocks) {
+        scratch = std::max(scratch, newton_schulz_workspace_bytes(backend, block.ns, rank, ranks));
       }
     }
     layout.scratch = offset;
@@ -428,11 +480,11 @@ struct StepLayout {
   }
 };
 
-// Moves one shard between the staging and its owner's whole matrix, either way.
-void move_shard(Backend& backend, const MuonParamPlan& plan, int source, char* staged, char* matrix,
+// Moves one shard between where it was received and its owner's whole matrix, either way.
+void move_shard(Backend& backend, const OwnedMatrix& m, int source, char* staged, char* matrix,
                 bool into_matrix, Stream stream) {
-  const ShardLayout& layout = plan.ns.layout;
-  const size_t element = element_size(plan.ns.dtype);
+  const ShardLayout& layout = m.ns.layout;
+  const size_t element = element_size(m.ns.dtype);
   const int64_t size = layout.shard_sizes()[source], offset = layout.shard_offsets()[source];
   if (size == 0) return;
   if (layout.sharded_dim() == 0) {  // a block of whole rows: one contiguous range
@@ -451,38 +503,82 @@ void move_shard(Backend& backend, const MuonParamPlan& plan, int source, char* s
   }
 }
 
-// (f): every rank sends its update shards of each matrix to the matrix's owner (one
-// all-to-all), owners assemble and orthogonalize their whole matrices, and a second
-// all-to-all returns each rank its shards, into the buffers it sent them from.
+void copy_bytes(Backend& backend, void* dst, const void* src, size_t bytes, Stream stream) {
+  if (bytes > 0) backend.copy_2d(dst, bytes, src, bytes, bytes, 1, stream);
+}
+
+// (f): every rank sends its pieces of the sharded matrices to their owners (one all-to-all),
+// owners assemble and orthogonalize their whole matrices (a replicated matrix they hold
+// already), and the pieces come back by a second all-to-all; replicated results reach every
+// rank by one all-gather.
 void run_owner_batch(Backend& backend, Communicator& comm, const ValidatedMuonStep& step,
                      const StepLayout& layout, char* base, Stream stream) {
   const int rank = comm.rank();
+  // The local pieces, contiguous in each update buffer, packed by owner.
+  for (size_t k = 0; k < step.owned.size(); ++k) {
+    const OwnedMatrix& m = step.owned[k];
+    const size_t element = element_size(m.ns.dtype);
+    copy_bytes(backend, base + layout.sent[k], base + layout.update[m.param] + m.offset * element,
+               m.ns.layout.local_elements(rank) * element * (m.ns.layout.is_sharded() ? 1 : 0),
+               stream);
+  }
   // Offsets relative to each region's start, so that the send and receive buffers differ.
   auto relative = [](const std::vector<size_t>& offsets) {
     std::vector<size_t> result(offsets);
     for (size_t& offset : result) offset -= offsets.front();
     return result;
   };
-  char* updates = base + layout.peer_offsets.front();
-  char* staging = base + layout.source_offsets.front();
+  char* sending = base + layout.peer_offsets.front();
+  char* receiving = base + layout.source_offsets.front();
   const std::vector<size_t> peer_offsets = relative(layout.peer_offsets);
   const std::vector<size_t> source_offsets = relative(layout.source_offsets);
-  comm.all_to_all(updates, layout.peer_bytes, peer_offsets, staging, layout.source_bytes,
-                  source_offsets, stream);
-  for (size_t i = 0; i < step.plans.size(); ++i) {
-    const MuonParamPlan& plan = step.plans[i];
-    if (plan.owner != rank) continue;
-    char* matrix = base + layout.matrix[i];
-    for (int source = 0; source < comm.size(); ++source) {
-      move_shard(backend, plan, source, base + layout.piece[i][source], matrix, true, stream);
+  if (layout.exchanges) {
+    comm.all_to_all(sending, layout.peer_bytes, peer_offsets, receiving, layout.source_bytes,
+                    source_offsets, stream);
+  }
+  char* gathered = base + layout.gathered;
+  for (size_t k = 0; k < step.owned.size(); ++k) {
+    const OwnedMatrix& m = step.owned[k];
+    if (m.owner != rank) continue;
+    char* matrix = base + layout.matrix[k];
+    const bool sharded = m.ns.layout.is_sharded();
+    const size_t element = element_size(m.ns.dtype);
+    if (sharded) {
+      for (int source = 0; source < comm.size(); ++source) {
+        move_shard(backend, m, source, base + layout.received[k][source], matrix, true, stream);
+      }
+    } else {
+      copy_bytes(backend, matrix, base + layout.update[m.param] + m.offset * element,
+                 whole_bytes(m.ns), stream);
     }
-    run_newton_schulz(backend, comm, plan.whole, matrix, stream, layout.scratch);
-    for (int source = 0; source < comm.size(); ++source) {
-      move_shard(backend, plan, source, base + layout.piece[i][source], matrix, false, stream);
+    run_newton_schulz(backend, comm, m.whole, matrix, stream, layout.scratch);
+    if (sharded) {
+      for (int source = 0; source < comm.size(); ++source) {
+        move_shard(backend, m, source, base + layout.received[k][source], matrix, false, stream);
+      }
+    } else {
+      copy_bytes(backend, gathered + rank * layout.gather_block_bytes + layout.result[k], matrix,
+                 whole_bytes(m.ns), stream);
     }
   }
-  comm.all_to_all(staging, layout.source_bytes, source_offsets, updates, layout.peer_bytes,
-                  peer_offsets, stream);
+  if (layout.exchanges) {
+    comm.all_to_all(receiving, layout.source_bytes, source_offsets, sending, layout.peer_bytes,
+                    peer_offsets, stream);
+  }
+  if (layout.gathers) comm.all_gather_in_place(gathered, layout.gather_block_bytes, stream);
+  // Every piece back into its update buffer.
+  for (size_t k = 0; k < step.owned.size(); ++k) {
+    const OwnedMatrix& m = step.owned[k];
+    const size_t element = element_size(m.ns.dtype);
+    char* piece = base + layout.update[m.param] + m.offset * element;
+    if (m.ns.layout.is_sharded()) {
+      copy_bytes(backend, piece, base + layout.sent[k], m.ns.layout.local_elements(rank) * element,
+                 stream);
+    } else {
+      copy_bytes(backend, piece, gathered + m.owner * layout.gather_block_bytes + layout.result[k],
+                 whole_bytes(m.ns), stream);
+    }
+  }
 }
 
 }  // namespace
@@ -527,10 +623,10 @@ void run_muon_step(Backend& backend, Communicator& comm, const ValidatedMuonStep
     run_momentum_pass(backend, plan, plan.ns.layout.local_elements(rank), base + layout.update[i],
                       checked ? base + layout.new_momentum[i] : nullptr, stream);
   }
-  if (layout.has_owner_batch) run_owner_batch(backend, comm, step, layout, base, stream);
+  if (!step.owned.empty()) run_owner_batch(backend, comm, step, layout, base, stream);
   for (size_t i = 0; i < step.plans.size(); ++i) {
     const MuonParamPlan& plan = step.plans[i];
-    if (!plan.has_grad || plan.owner >= 0) continue;
+    if (!plan.has_grad || plan.owned) continue;
     char* update = base + layout.update[i];
     if (plan.row_blocks.empty()) {
       run_newton_schulz(backend, comm, plan.ns, update, stream, layout.scratch);

@@ -22,10 +22,8 @@ struct MuonParamPlan {
   double l2_decay = 0.0;   // g = grad + l2_decay * param
   double beta = 0.0;
   bool nesterov = false;
-  // (f) owner per matrix: the rank that orthogonalizes the whole matrix, or -1 when the
-  // matrix is distributed on its own by ns.plan. `whole` is the owner's local problem.
-  int owner = -1;
-  NsProblem whole;
+  // (f): the parameter's matrices are in the step's owner batch (ValidatedMuonStep::owned).
+  bool owned = false;
   // With row_blocks > 1, the stacked matrices' own problems and where each starts in this
   // rank's shard (elements); empty otherwise (ns is then the one problem).
   struct RowBlock {
@@ -36,8 +34,18 @@ struct MuonParamPlan {
   shardmuon_ns_algorithm requested = SHARDMUON_NS_AUTO;  // the group's ns.algorithm
 };
 
+// A matrix of the owner batch: a parameter, or one of its stacked blocks.
+struct OwnedMatrix {
+  size_t param = 0;    // index into the plans
+  int64_t offset = 0;  // elements into the parameter's local shard where this matrix starts
+  NsProblem ns;        // its layout over the group (sharded, or replicated)
+  NsProblem whole;     // the owner's local problem on the whole matrix
+  int owner = 0;
+};
+
 struct ValidatedMuonStep {
   std::vector<MuonParamPlan> plans;
+  std::vector<OwnedMatrix> owned;  // the owner batch, in parameter (then block) order
   uint64_t digest = 0;
   std::string description;
 };
@@ -57,10 +65,11 @@ ValidatedMuonStep validate_muon_step(const Backend& backend, const Communicator&
                                      const shardmuon_muon_group* groups, int num_groups,
                                      bool use_grads = true);
 
-// Assigns the owner-per-matrix parameters of a step to ranks: those whose group asks for
-// OWNER, and the AUTO ones if the cost model prefers owners to distributing each matrix
-// (core/ns_cost_model.h). Longest processing time first: the most expensive matrix goes to
-// the least loaded rank, ties to the lower index and rank, so every rank assigns alike.
+// Forms the step's owner batch and assigns its matrices to ranks: the parameters whose group
+// asks for OWNER (sharded or replicated; stacked ones block by block), and the sharded AUTO
+// ones if the cost model prefers owners to distributing each matrix (core/ns_cost_model.h).
+// Longest processing time first: the most expensive matrix goes to the least loaded rank,
+// ties to the lower index and rank, so every rank assigns alike.
 void plan_owners(ValidatedMuonStep& step, int ranks);
 
 // Bytes of workspace a step needs on this rank: every parameter's update buffer (and, for

@@ -305,9 +305,11 @@ TEST_F(MuonStepBatches, OwnersWithFewerMatricesThanRanks) {
 // Stacked matrices (row_blocks), each orthogonalized and scaled on its own: a mixture-of-
 // experts weight (4 experts of 9 x 20), a fused QKV split by head (6 heads of 5 rows) sharded
 // along its rows unevenly, so that heads straddle ranks, gate/up halves sharded along the
-// columns; under AUTO and DUPLICATED.
+// columns; under AUTO, DUPLICATED and OWNER (each block a matrix of the owner batch, the
+// replicated one included).
 TEST_F(MuonStepBatches, StackedMatricesAreOrthogonalizedOneByOne) {
-  for (const shardmuon_ns_algorithm algorithm : {SHARDMUON_NS_AUTO, SHARDMUON_NS_DUPLICATED}) {
+  for (const shardmuon_ns_algorithm algorithm :
+       {SHARDMUON_NS_AUTO, SHARDMUON_NS_DUPLICATED, SHARDMUON_NS_OWNER}) {
     for (int p = 1; p <= Harness::get().max_group_size(); ++p) {
       const Group& group = Harness::get().group(p);
       if (!group.member) continue;
