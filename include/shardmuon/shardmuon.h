@@ -134,12 +134,15 @@ typedef enum shardmuon_ns_algorithm {
    * Gram matrix. Shards along the short side are first moved to long-side blocks and back
    * by two all-to-alls ((d) of DESIGN.md). */
   SHARDMUON_NS_GRAM_ALLREDUCE = 2,
-  /* (f) owner per matrix, for the parameters of a step (shardmuon_muon_step): each sharded
-   * matrix is assigned whole to one rank (balancing the ranks' Newton-Schulz work), its
-   * shards travel there in one all-to-all for the whole step, the owner orthogonalizes it
-   * alone, and one all-to-all brings the shards back. Not for shardmuon_newton_schulz's single
-   * matrix. AUTO in a step uses it for the AUTO parameters when the cost model finds it
-   * cheaper than distributing each matrix on its own. */
+  /* (f) owner per matrix, for the parameters of a step (shardmuon_muon_step): each matrix
+   * (each block of a stacked parameter) is assigned whole to one rank, balancing the ranks'
+   * Newton-Schulz work; sharded matrices travel to their owners in one all-to-all for the
+   * whole step and back in another; the owner orthogonalizes alone. A replicated parameter
+   * under OWNER is taken to be a replica (the same values on every rank, as in data
+   * parallelism): its owner orthogonalizes it and every rank receives that result by one
+   * all-gather. Not for shardmuon_newton_schulz's single matrix. AUTO in a step uses it for
+   * the sharded AUTO parameters when the cost model finds it cheaper than distributing each
+   * matrix on its own. */
   SHARDMUON_NS_OWNER = 3,
   /* (e) Gram Newton-Schulz, distributed as AUTO would: the iteration runs on the s x s Gram
    * matrix R = X X^T (Q_k = a_k I + b_k R_k + c_k R_k^2, R_{k+1} = Q_k R_k Q_k, M = Q_k ... Q_0)
