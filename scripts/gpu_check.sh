@@ -39,6 +39,21 @@ cmake --build $build --parallel "$(nproc)" >"$out/build.log" 2>&1 || { grep -E "
 echo "build: $(( $(date +%s) - start )) s"
 
 results=()
+# The CUDA tests on 1 and 2 GPUs (one MPI rank per GPU), with a gtest filter; logs <name>_npN.log.
+cuda_tests() {
+  local name=$1 filter=$2 ranks log rc
+  for ranks in 1 2; do
+    log="$out/${name}_np$ranks.log"
+    timeout 240 "${mpi[@]}" -np $ranks $build/tests/shardmuon_tests --backend=cuda --gtest_brief=1 \
+      --gtest_filter="$filter" >"$log" 2>&1
+    rc=$?
+    grep -E "^\[rank|Failure|FAILED" "$log" | head -20
+    results+=("$name on $ranks GPU(s): rc=$rc $(grep -E 'PASSED|FAILED  \]|SKIPPED \]' "$log" | sed 's/\x1b\[[0-9;]*m//g' | tr '\n' ' ')")
+    if grep -q 'ratio=' "$log"; then
+      results+=("  largest error/tolerance: $(grep -o 'ratio=[0-9.]*' "$log" | sort -t= -k2 -g | tail -1) over $(grep -c 'ratio=' "$log") checked cases")
+    fi
+  done
+}
 # The injected fault on its own (one rank never calls; NCCL), with progress lines from the
 # test; if it is still running after 40 s, the stacks of both ranks (gdb) go to the log.
 timeout_injection() {
@@ -67,15 +82,7 @@ timeout_injection() {
 if [[ "$what" == "speed" ]]; then
   # The CUDA tests on 1 and 2 GPUs, the fault injection, then the Newton-Schulz benchmark
   # (bench/bench_newton_schulz.py; its table goes to $out).
-  for ranks in 1 2; do
-    log="$out/tests_np$ranks.log"
-    timeout 240 "${mpi[@]}" -np $ranks $build/tests/shardmuon_tests --backend=cuda --gtest_brief=1 \
-      --gtest_filter='-Reliability.ARankThatNeverCalls*' >"$log" 2>&1
-    rc=$?
-    grep -E "^\[rank|Failure|FAILED" "$log" | head -20
-    results+=("cuda tests on $ranks GPU(s): rc=$rc $(grep -E 'PASSED|FAILED  \]|SKIPPED \]' "$log" | sed 's/\x1b\[[0-9;]*m//g' | tr '\n' ' ')")
-    results+=("  largest error/tolerance: $(grep -o 'ratio=[0-9.]*' "$log" | sort -t= -k2 -g | tail -1) over $(grep -c 'ratio=' "$log") checked cases")
-  done
+  cuda_tests tests '-Reliability.ARankThatNeverCalls*'
   timeout_injection
   export SHARDMUON_LIBRARY="$root/$build/libshardmuon.so"
   timeout "${BENCH_TIMEOUT:-300}" torchrun --nproc_per_node="$gpus" bench/bench_newton_schulz.py --out "$out" \
@@ -95,14 +102,7 @@ fi
 if [[ "$what" == "step" ]]; then
   # The whole optimizer step: the step's CUDA tests (owner per matrix, stacked matrices, Gram
   # Newton-Schulz) on 1 and 2 GPUs, then bench/bench_step.py against the PyTorch loops.
-  for ranks in 1 2; do
-    log="$out/step_tests_np$ranks.log"
-    timeout 240 "${mpi[@]}" -np $ranks $build/tests/shardmuon_tests --backend=cuda --gtest_brief=1 \
-      --gtest_filter='MuonStep*:CppMuon*:NonFinite*:*gramns*' >"$log" 2>&1
-    rc=$?
-    grep -E "^\[rank|Failure|FAILED" "$log" | head -20
-    results+=("step tests on $ranks GPU(s): rc=$rc $(grep -E 'PASSED|FAILED  \]|SKIPPED \]' "$log" | sed 's/\x1b\[[0-9;]*m//g' | tr '\n' ' ')")
-  done
+  cuda_tests step_tests 'MuonStep*:CppMuon*:NonFinite*:*gramns*'
   export SHARDMUON_LIBRARY="$root/$build/libshardmuon.so"
   timeout "${BENCH_TIMEOUT:-300}" torchrun --nproc_per_node="$gpus" bench/bench_step.py --out "$out" \
     ${BENCH_ARGS:-} >"$out/bench_step.log" 2>&1
@@ -119,14 +119,7 @@ fi
 if [[ "$what" == "final" ]]; then
   # The CUDA tests on 1 and 2 GPUs; compute-sanitizer memcheck, racecheck and synccheck over a
   # cross-section; the PyTorch front end's checks.
-  for ranks in 1 2; do
-    log="$out/tests_np$ranks.log"
-    timeout 240 "${mpi[@]}" -np $ranks $build/tests/shardmuon_tests --backend=cuda --gtest_brief=1 \
-      --gtest_filter='-Reliability.ARankThatNeverCalls*' >"$log" 2>&1
-    rc=$?
-    grep -E "^\[rank|Failure|FAILED" "$log" | head -20
-    results+=("cuda tests on $ranks GPU(s): rc=$rc $(grep -E 'PASSED|FAILED  \]|SKIPPED \]' "$log" | sed 's/\x1b\[[0-9;]*m//g' | tr '\n' ' ')")
-  done
+  cuda_tests tests '-Reliability.ARankThatNeverCalls*'
   timeout_injection
   filter='*Layouts*67x131*dim1*P1*:*Schedules*quintic5*P1:NonFinite.*:MuonStepB*:Checkpoint.LoadsOn*'
   for tool in memcheck racecheck synccheck; do

@@ -46,6 +46,29 @@ struct ValidatedNsCall {
 };
 
 // OWNER distributes the matrices of a step over the ranks; one matrix has nothing to spread.
+void check_single_matrix_algorithm(const shardmuon_ns_options& options);
+
+struct PlannedMatrix {
+  ShardLayout layout;
+  NsPlan plan;
+};
+
+// shardmuon_ns_plan's and shardmuon_ns_estimate's common part: the arguments checked, the
+// layout resolved and the plan made.
+PlannedMatrix plan_matrix(const shardmuon_layout* layout, int comm_size,
+                          const shardmuon_ns_options* options) {
+  SHARDMUON_CHECK_ARG(layout != nullptr, "layout is NULL");
+  SHARDMUON_CHECK_ARG(options != nullptr, "options is NULL");
+  SHARDMUON_CHECK_ARG(comm_size >= 1, "comm_size must be >= 1, got ", comm_size);
+  validate_ns_options(*options);
+  check_single_matrix_algorithm(*options);
+  PlannedMatrix planned;
+  planned.layout = ShardLayout::from_api(*layout, comm_size);
+  planned.plan =
+      plan_newton_schulz(planned.layout, comm_size, options->algorithm, options->num_iterations);
+  return planned;
+}
+
 void check_single_matrix_algorithm(const shardmuon_ns_options& options) {
   SHARDMUON_CHECK_ARG(options.algorithm != SHARDMUON_NS_OWNER,
                       "options->algorithm OWNER applies to the parameters of a step "
@@ -453,17 +476,10 @@ shardmuon_status shardmuon_abi_layout(const char* type, const char* field, size_
 shardmuon_status shardmuon_ns_estimate(const shardmuon_layout* layout, int comm_size,
                                        const shardmuon_ns_options* options, double* seconds) {
   return api_guard(__func__, [&] {
-    SHARDMUON_CHECK_ARG(layout != nullptr, "layout is NULL");
-    SHARDMUON_CHECK_ARG(options != nullptr, "options is NULL");
     SHARDMUON_CHECK_ARG(seconds != nullptr, "seconds is NULL");
-    SHARDMUON_CHECK_ARG(comm_size >= 1, "comm_size must be >= 1, got ", comm_size);
-    shardmuon::validate_ns_options(*options);
-    shardmuon::check_single_matrix_algorithm(*options);
-    const auto shard_layout = shardmuon::ShardLayout::from_api(*layout, comm_size);
-    const shardmuon::NsPlan plan = shardmuon::plan_newton_schulz(
-        shard_layout, comm_size, options->algorithm, options->num_iterations);
+    const shardmuon::PlannedMatrix planned = shardmuon::plan_matrix(layout, comm_size, options);
     *seconds = shardmuon::estimate_plan_seconds(
-        plan, shardmuon::NsCostInputs{shard_layout, comm_size, options->num_iterations},
+        planned.plan, shardmuon::NsCostInputs{planned.layout, comm_size, options->num_iterations},
         shardmuon::MachineModel{});
   });
 }
@@ -472,15 +488,8 @@ shardmuon_status shardmuon_ns_plan(const shardmuon_layout* layout, int comm_size
                                    const shardmuon_ns_options* options,
                                    shardmuon_ns_algorithm* chosen) {
   return api_guard(__func__, [&] {
-    SHARDMUON_CHECK_ARG(layout != nullptr, "layout is NULL");
-    SHARDMUON_CHECK_ARG(options != nullptr, "options is NULL");
     SHARDMUON_CHECK_ARG(chosen != nullptr, "chosen is NULL");
-    SHARDMUON_CHECK_ARG(comm_size >= 1, "comm_size must be >= 1, got ", comm_size);
-    shardmuon::validate_ns_options(*options);
-    shardmuon::check_single_matrix_algorithm(*options);
-    const auto shard_layout = shardmuon::ShardLayout::from_api(*layout, comm_size);
-    const shardmuon::NsPlan plan = shardmuon::plan_newton_schulz(
-        shard_layout, comm_size, options->algorithm, options->num_iterations);
+    const shardmuon::NsPlan plan = shardmuon::plan_matrix(layout, comm_size, options).plan;
     switch (plan.algorithm) {
       case shardmuon::NsPlan::Algorithm::kLocal: *chosen = SHARDMUON_NS_LOCAL; break;
       case shardmuon::NsPlan::Algorithm::kDuplicated: *chosen = SHARDMUON_NS_DUPLICATED; break;
