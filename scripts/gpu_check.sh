@@ -44,7 +44,8 @@ cuda_tests() {
   local name=$1 filter=$2 ranks log rc
   for ranks in 1 2; do
     log="$out/${name}_np$ranks.log"
-    timeout 240 "${mpi[@]}" -np $ranks $build/tests/shardmuon_tests --backend=cuda --gtest_brief=1 \
+    # 400 s: the multi-block case computes a float64 oracle of side 2085 on the CPU.
+    timeout 400 "${mpi[@]}" -np $ranks $build/tests/shardmuon_tests --backend=cuda --gtest_brief=1 \
       --gtest_filter="$filter" >"$log" 2>&1
     rc=$?
     grep -E "^\[rank|Failure|FAILED" "$log" | head -20
@@ -102,7 +103,7 @@ fi
 if [[ "$what" == "step" ]]; then
   # The whole optimizer step: the step's CUDA tests (owner per matrix, stacked matrices, Gram
   # Newton-Schulz) on 1 and 2 GPUs, then bench/bench_step.py against the PyTorch loops.
-  cuda_tests step_tests 'MuonStep*:CppMuon*:NonFinite*:*gramns*'
+  cuda_tests step_tests 'MuonStep*:CppMuon*:NonFinite*:*gramns*:*MultiBlock*'
   export SHARDMUON_LIBRARY="$root/$build/libshardmuon.so"
   timeout "${BENCH_TIMEOUT:-300}" torchrun --nproc_per_node="$gpus" bench/bench_step.py --out "$out" \
     ${BENCH_ARGS:-} >"$out/bench_step.log" 2>&1

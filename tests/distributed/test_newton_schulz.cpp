@@ -477,5 +477,41 @@ TEST_F(NewtonSchulzInvariants, ReplicatedIsIdenticalAcrossRanksAndDeterministic)
   }
 }
 
+// The GPU's symmetric products split a Gram side from 2048 up into several 1024-column
+// blocks (the CPU's split every 32 columns, so the other tests cover the CPU path); this side
+// also needs padding (2085 is not a multiple of 8). GPU only: the float64 oracle of this size
+// takes seconds, the CPU backend's run minutes.
+TEST_F(NewtonSchulzInvariants, MultiBlockProductsOnTheGpuMatchTheOracle) {
+  if (!Harness::get().on_gpu()) GTEST_SKIP() << "the GPU's block width; the CPU tests split at 32";
+  const Shape shape{2085, 2301};
+  for (const shardmuon_dtype dtype : {SHARDMUON_FLOAT32, SHARDMUON_BFLOAT16}) {
+    const Matrix input = input_for(shape, dtype);
+    const Matrix& reference =
+        cached_reference(shape_key(shape, dtype, "quintic5"), input,
+                         coefficients_for(SHARDMUON_SCHEDULE_QUINTIC, 5), kEps);
+    for (int p = 1; p <= std::min(2, Harness::get().max_group_size()); ++p) {
+      const Group& group = Harness::get().group(p);
+      if (!group.member) continue;
+      for (const shardmuon_partition partition : {SHARDMUON_SHARDED_DIM0, SHARDMUON_SHARDED_DIM1}) {
+        for (const shardmuon_ns_algorithm algorithm :
+             {SHARDMUON_NS_AUTO, SHARDMUON_NS_GRAM_ALLREDUCE, SHARDMUON_NS_GRAM_NEWTON_SCHULZ}) {
+          const int64_t extent = partition == SHARDMUON_SHARDED_DIM0 ? shape.rows : shape.cols;
+          const std::vector<int64_t> sizes = pattern_sizes(ShardPattern::kUneven, extent, p);
+          const NsRun run =
+              run_newton_schulz(group, input, dtype, partition, sizes,
+                                make_options(SHARDMUON_SCHEDULE_QUINTIC, 5, algorithm));
+          ASSERT_TRUE(all_succeeded(run, group)) << run.error;
+          const std::vector<int64_t> actual = sizes.empty() ? balanced_sizes(extent, p) : sizes;
+          const double error = group_relative_error(
+              run.output_shard, extract_shard(reference, partition, actual, group.rank), group.mpi);
+          report_error(error, tolerance_for(dtype), group.rank);
+          EXPECT_LT(error, tolerance_for(dtype))
+              << "P=" << p << " partition " << partition << " algorithm " << algorithm;
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace shardmuon_test
