@@ -418,6 +418,18 @@ SHARDMUON_API shardmuon_status shardmuon_muon_step(
     shardmuon_context_t context, shardmuon_comm_t comm, const shardmuon_muon_param* params,
     int num_params, const shardmuon_muon_group* groups, int num_groups, void* stream);
 
+/* How shardmuon_muon_step would distribute these parameters' orthogonalization on this
+ * communicator, without running it or communicating (arguments are checked as by the step,
+ * on this rank only). For each parameter, algorithms[i] is one of LOCAL, DUPLICATED,
+ * GRAM_ALLREDUCE, GRAM_ALLREDUCE_REDISTRIBUTED or OWNER (for a stacked parameter, its first
+ * block's), and owners[i] the rank that orthogonalizes it under OWNER (its first block's),
+ * else -1. A parameter without gradient reports the plan it would have. Either output may be
+ * NULL. */
+SHARDMUON_API shardmuon_status shardmuon_muon_plan(
+    shardmuon_context_t context, shardmuon_comm_t comm, const shardmuon_muon_param* params,
+    int num_params, const shardmuon_muon_group* groups, int num_groups,
+    shardmuon_ns_algorithm* algorithms, int* owners);
+
 /* ------------------------------------------------------------------------------------------ */
 /* Optimizer checkpoints                                                                       */
 /* ------------------------------------------------------------------------------------------ */

@@ -54,6 +54,41 @@ shardmuon_status shardmuon_muon_step(shardmuon_context_t context, shardmuon_comm
   });
 }
 
+shardmuon_status shardmuon_muon_plan(shardmuon_context_t context, shardmuon_comm_t comm,
+                                     const shardmuon_muon_param* params, int num_params,
+                                     const shardmuon_muon_group* groups, int num_groups,
+                                     shardmuon_ns_algorithm* algorithms, int* owners) {
+  return api_guard(__func__, [&] {
+    shardmuon::Communicator& group = shardmuon::communicator_of(comm, "comm");
+    shardmuon::Backend& backend = shardmuon::backend_of(context, "context");
+    group.check_compatible(backend);
+    const shardmuon::ValidatedMuonStep step =
+        shardmuon::validate_muon_step(backend, group, params, num_params, groups, num_groups);
+    for (size_t i = 0; i < step.plans.size(); ++i) {
+      const shardmuon::MuonParamPlan& plan = step.plans[i];
+      const shardmuon::NsPlan& ns =
+          plan.row_blocks.empty() ? plan.ns.plan : plan.row_blocks.front().ns.plan;
+      shardmuon_ns_algorithm algorithm = SHARDMUON_NS_LOCAL;
+      if (ns.algorithm == shardmuon::NsPlan::Algorithm::kDuplicated) {
+        algorithm = SHARDMUON_NS_DUPLICATED;
+      } else if (ns.algorithm == shardmuon::NsPlan::Algorithm::kGramAllReduce) {
+        algorithm = ns.redistributes ? SHARDMUON_NS_GRAM_ALLREDUCE_REDISTRIBUTED
+                                     : SHARDMUON_NS_GRAM_ALLREDUCE;
+      }
+      int owner = -1;
+      for (const shardmuon::OwnedMatrix& m : step.owned) {
+        if (m.param == i) {
+          owner = m.owner;
+          algorithm = SHARDMUON_NS_OWNER;
+          break;
+        }
+      }
+      if (algorithms != nullptr) algorithms[i] = algorithm;
+      if (owners != nullptr) owners[i] = owner;
+    }
+  });
+}
+
 shardmuon_status shardmuon_context_set_nonfinite_policy(shardmuon_context_t context,
                                                         shardmuon_nonfinite_policy policy) {
   return api_guard(__func__, [&] {

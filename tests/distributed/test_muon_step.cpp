@@ -332,6 +332,77 @@ TEST_F(MuonStepBatches, StackedMatricesAreOrthogonalizedOneByOne) {
   }
 }
 
+// The step's planner, through shardmuon_muon_plan: many small sharded matrices under AUTO go
+// to owners, spread over every rank by their cost; a lone matrix is distributed on its own;
+// explicit algorithms are kept; a parameter without gradient has no owner.
+TEST_F(MuonStepBatches, PlannerChoicesAreReported) {
+  for (int p = 2; p <= Harness::get().max_group_size(); ++p) {
+    const Group& group = Harness::get().group(p);
+    if (!group.member) continue;
+    auto plan_of = [&](std::vector<Parameter>& params, shardmuon_ns_algorithm algorithm,
+                       std::vector<shardmuon_ns_algorithm>& algorithms, std::vector<int>& owners) {
+      std::vector<shardmuon_muon_param> api(params.size());
+      for (size_t i = 0; i < params.size(); ++i) {
+        Parameter& q = params[i];
+        q.w_buffer = Harness::get().upload(to_bytes(q.shard(q.w, group.rank), q.dtype));
+        q.m_buffer = Harness::get().upload(to_bytes(q.shard(q.m, group.rank), q.dtype));
+        q.g_buffer = Harness::get().upload(to_bytes(q.shard(q.grads[0], group.rank), q.dtype));
+        api[i] =
+            shardmuon_muon_param{q.w_buffer.data(),    q.has_grad ? q.g_buffer.data() : nullptr,
+                                 q.m_buffer.data(),    q.dtype,
+                                 q.layout(group.size), 0,
+                                 q.has_grad ? 0 : 1,   1};
+      }
+      shardmuon_muon_group g = to_api(ReferenceGroup{}, SHARDMUON_SCHEDULE_QUINTIC, 5);
+      g.ns.algorithm = algorithm;
+      algorithms.assign(params.size(), SHARDMUON_NS_AUTO);
+      owners.assign(params.size(), -2);
+      return shardmuon_muon_plan(Harness::get().context(), group.comm, api.data(),
+                                 static_cast<int>(api.size()), &g, 1, algorithms.data(),
+                                 owners.data());
+    };
+    std::vector<shardmuon_ns_algorithm> algorithms;
+    std::vector<int> owners;
+
+    std::vector<Parameter> many;
+    for (int i = 0; i < 2 * p + 1; ++i) {
+      many.push_back(make_parameter(24 + i, 40, SHARDMUON_FLOAT32,
+                                    i % 2 ? SHARDMUON_SHARDED_DIM1 : SHARDMUON_SHARDED_DIM0, p,
+                                    100 + i, 1));
+    }
+    many.back().has_grad = false;
+    ASSERT_EQ(plan_of(many, SHARDMUON_NS_AUTO, algorithms, owners), SHARDMUON_SUCCESS)
+        << shardmuon_last_error();
+    std::vector<int> per_rank(p, 0);
+    for (size_t i = 0; i + 1 < many.size(); ++i) {
+      EXPECT_EQ(algorithms[i], SHARDMUON_NS_OWNER) << "params[" << i << "]";
+      ASSERT_TRUE(owners[i] >= 0 && owners[i] < p) << owners[i];
+      ++per_rank[owners[i]];
+    }
+    for (int r = 0; r < p; ++r) EXPECT_GE(per_rank[r], 1) << "rank " << r << " owns nothing";
+    EXPECT_NE(algorithms.back(), SHARDMUON_NS_OWNER);  // no gradient: not in the batch
+    EXPECT_EQ(owners.back(), -1);
+
+    std::vector<Parameter> lone;
+    lone.push_back(make_parameter(40, 64, SHARDMUON_FLOAT32, SHARDMUON_SHARDED_DIM1, p, 200, 1));
+    ASSERT_EQ(plan_of(lone, SHARDMUON_NS_AUTO, algorithms, owners), SHARDMUON_SUCCESS);
+    EXPECT_NE(algorithms[0], SHARDMUON_NS_OWNER);
+    EXPECT_EQ(owners[0], -1);
+    ASSERT_EQ(plan_of(lone, SHARDMUON_NS_OWNER, algorithms, owners), SHARDMUON_SUCCESS);
+    EXPECT_EQ(algorithms[0], SHARDMUON_NS_OWNER);
+    EXPECT_EQ(owners[0], 0);  // one matrix: the least loaded rank, ties to the lowest
+    ASSERT_EQ(plan_of(many, SHARDMUON_NS_DUPLICATED, algorithms, owners), SHARDMUON_SUCCESS);
+    for (size_t i = 0; i < many.size(); ++i) EXPECT_EQ(algorithms[i], SHARDMUON_NS_DUPLICATED);
+
+    std::vector<Parameter> replica;
+    replica.push_back(make_parameter(30, 20, SHARDMUON_FLOAT32, SHARDMUON_REPLICATED, p, 300, 1));
+    ASSERT_EQ(plan_of(replica, SHARDMUON_NS_AUTO, algorithms, owners), SHARDMUON_SUCCESS);
+    EXPECT_EQ(algorithms[0], SHARDMUON_NS_LOCAL);  // AUTO never assumes replicas agree
+    ASSERT_EQ(plan_of(replica, SHARDMUON_NS_OWNER, algorithms, owners), SHARDMUON_SUCCESS);
+    EXPECT_EQ(algorithms[0], SHARDMUON_NS_OWNER);
+  }
+}
+
 // A step with no parameters, or with every gradient absent, is a valid no-op.
 TEST_F(MuonStepBatches, EmptyBatchesAreNoOps) {
   const Group& group = Harness::get().group(Harness::get().max_group_size());
