@@ -489,15 +489,8 @@ shardmuon_status shardmuon_ns_plan(const shardmuon_layout* layout, int comm_size
                                    shardmuon_ns_algorithm* chosen) {
   return api_guard(__func__, [&] {
     SHARDMUON_CHECK_ARG(chosen != nullptr, "chosen is NULL");
-    const shardmuon::NsPlan plan = shardmuon::plan_matrix(layout, comm_size, options).plan;
-    switch (plan.algorithm) {
-      case shardmuon::NsPlan::Algorithm::kLocal: *chosen = SHARDMUON_NS_LOCAL; break;
-      case shardmuon::NsPlan::Algorithm::kDuplicated: *chosen = SHARDMUON_NS_DUPLICATED; break;
-      case shardmuon::NsPlan::Algorithm::kGramAllReduce:
-        *chosen = plan.redistributes ? SHARDMUON_NS_GRAM_ALLREDUCE_REDISTRIBUTED
-                                     : SHARDMUON_NS_GRAM_ALLREDUCE;
-        break;
-    }
+    *chosen =
+        shardmuon::reported_algorithm(shardmuon::plan_matrix(layout, comm_size, options).plan);
   });
 }
 

@@ -68,13 +68,7 @@ shardmuon_status shardmuon_muon_plan(shardmuon_context_t context, shardmuon_comm
       const shardmuon::MuonParamPlan& plan = step.plans[i];
       const shardmuon::NsPlan& ns =
           plan.row_blocks.empty() ? plan.ns.plan : plan.row_blocks.front().ns.plan;
-      shardmuon_ns_algorithm algorithm = SHARDMUON_NS_LOCAL;
-      if (ns.algorithm == shardmuon::NsPlan::Algorithm::kDuplicated) {
-        algorithm = SHARDMUON_NS_DUPLICATED;
-      } else if (ns.algorithm == shardmuon::NsPlan::Algorithm::kGramAllReduce) {
-        algorithm = ns.redistributes ? SHARDMUON_NS_GRAM_ALLREDUCE_REDISTRIBUTED
-                                     : SHARDMUON_NS_GRAM_ALLREDUCE;
-      }
+      shardmuon_ns_algorithm algorithm = shardmuon::reported_algorithm(ns);
       int owner = -1;
       for (const shardmuon::OwnedMatrix& m : step.owned) {
         if (m.param == i) {

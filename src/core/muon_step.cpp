@@ -517,10 +517,10 @@ void run_owner_batch(Backend& backend, Communicator& comm, const ValidatedMuonSt
   // The local pieces, contiguous in each update buffer, packed by owner.
   for (size_t k = 0; k < step.owned.size(); ++k) {
     const OwnedMatrix& m = step.owned[k];
+    if (!m.ns.layout.is_sharded()) continue;  // its owner holds it already
     const size_t element = element_size(m.ns.dtype);
     copy_bytes(backend, base + layout.sent[k], base + layout.update[m.param] + m.offset * element,
-               m.ns.layout.local_elements(rank) * element * (m.ns.layout.is_sharded() ? 1 : 0),
-               stream);
+               m.ns.layout.local_elements(rank) * element, stream);
   }
   // Offsets relative to each region's start, so that the send and receive buffers differ.
   auto relative = [](const std::vector<size_t>& offsets) {

@@ -41,20 +41,19 @@ struct WideBlock {
   int64_t storage_rows() const { return long_side_is_cols ? s : length; }
   int64_t storage_cols() const { return long_side_is_cols ? length : s; }
 
-  // The block with both sides rounded up to a multiple of kAlignment elements. Zero rows and
+  // The block with both sides rounded up to a multiple of kProductAlignment elements. Zero
+  // rows and
   // columns added to X stay zero and change nothing else: X X^T gains zero rows and
   // columns, P = a I + b A + c A A is block-diagonal with a I on the padding, and P X keeps
   // the padding zero. Iterating on the padded block lets the GEMMs use leading dimensions
   // whose rows are 16-byte aligned, which the tensor-core kernels need to run at full rate
   // (at 3001 x 10007 the unpadded products ran at a sixth of it).
   WideBlock padded() const {
-    auto round_up = [](int64_t x) { return (x + kAlignment - 1) / kAlignment * kAlignment; };
-    return WideBlock{round_up(s), round_up(length), long_side_is_cols};
+    return WideBlock{padded_extent(s), padded_extent(length), long_side_is_cols};
   }
   bool operator==(const WideBlock& other) const {
     return s == other.s && length == other.length && long_side_is_cols == other.long_side_is_cols;
   }
-  static constexpr int64_t kAlignment = 8;
 };
 
 // Scratch buffers of one Newton-Schulz run on a block. The Gram A = X X^T and the
@@ -93,7 +92,7 @@ struct IterationSlots {
     IterationSlots slots;
     slots.padded = block.padded();
     const int64_t s = slots.padded.s;
-    slots.tiles = SymmetricTiles::split(s, backend.symmetric_block_target(), kMaxTileBlocks);
+    slots.tiles = SymmetricTiles::split(s, backend.symmetric_block_target());
     const size_t packed = static_cast<size_t>(slots.tiles.packed_elements());
     const size_t full = static_cast<size_t>(s * s);
     slots.x0 = carver.reserve(slots.padded.elements() * storage);
@@ -129,8 +128,6 @@ struct IterationSlots {
     buffers.reduce_scratch_bytes = reduce_scratch_bytes;
     return buffers;
   }
-
-  static constexpr int kMaxTileBlocks = 16;
 };
 
 // A = X X^T over this block's columns of X (the partial Gram of a long-side block), lower
@@ -182,13 +179,6 @@ void gram_product(Backend& backend, Communicator* comm, shardmuon_dtype dtype,
                            stream);
 }
 
-// P = a I + b A + c A A, lower block columns of c A A + b A in the accumulate dtype, then
-// a I added while unpacking, which rounds P once to the storage dtype for X <- P X.
-//
-// Folding a I into P before rounding (rather than computing a X + B X) matters for bf16:
-// where a singular value is near 1, a + b s^2 + c s^4 is far smaller than its terms (the
-// quintic's first step maps 1 to 0.117 from terms of size 4 to 7), so rounding B = b A + c A A
-// on its own would lose up to 35x more accuracy than rounding P, whose size is the result's.
 // d = alpha A B + beta c on the lower block columns (packed, accumulate dtype), for full s x s
 // operands A and B (storage dtype) whose product is symmetric: A A, or products of
 // polynomials in the same Gram matrix, which commute.
@@ -602,6 +592,17 @@ NsPlan plan_newton_schulz(const ShardLayout& layout, int comm_size,
                  estimate_gram_all_reduce_seconds(inputs, machine)
              ? duplicated
              : gram;
+}
+
+shardmuon_ns_algorithm reported_algorithm(const NsPlan& plan) {
+  switch (plan.algorithm) {
+    case NsPlan::Algorithm::kLocal: return SHARDMUON_NS_LOCAL;
+    case NsPlan::Algorithm::kDuplicated: return SHARDMUON_NS_DUPLICATED;
+    case NsPlan::Algorithm::kGramAllReduce:
+      return plan.redistributes ? SHARDMUON_NS_GRAM_ALLREDUCE_REDISTRIBUTED
+                                : SHARDMUON_NS_GRAM_ALLREDUCE;
+  }
+  return SHARDMUON_NS_LOCAL;
 }
 
 double estimate_plan_seconds(const NsPlan& plan, const NsCostInputs& inputs,

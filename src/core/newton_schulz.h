@@ -31,6 +31,10 @@ struct NsPlan {
 NsPlan plan_newton_schulz(const ShardLayout& layout, int comm_size,
                           shardmuon_ns_algorithm requested, int iterations);
 
+// The plan as the C API reports it: LOCAL, DUPLICATED, GRAM_ALLREDUCE or
+// GRAM_ALLREDUCE_REDISTRIBUTED.
+shardmuon_ns_algorithm reported_algorithm(const NsPlan& plan);
+
 // The cost model's seconds for a plan (core/ns_cost_model.h).
 double estimate_plan_seconds(const NsPlan& plan, const NsCostInputs& inputs,
                              const MachineModel& machine);

@@ -7,10 +7,6 @@
 namespace shardmuon {
 namespace {
 
-int64_t padded(int64_t x) {
-  return (x + 7) / 8 * 8;  // as newton_schulz.cpp's WideBlock::padded
-}
-
 struct IterationCost {
   double gram_seconds = 0;  // the products a Gram all-reduce can hide behind
   double other_seconds = 0;
@@ -22,9 +18,9 @@ struct IterationCost {
 // One iteration on an s x length block: A = X X^T (lower block columns), P = a I + b A +
 // c A A (lower block columns), X <- P X, and the two unpacking passes.
 IterationCost iteration_cost(int64_t s, int64_t length, const MachineModel& machine) {
-  s = padded(s);
-  length = padded(length);
-  const SymmetricTiles tiles = SymmetricTiles::split(s, machine.symmetric_block_target, 16);
+  s = padded_extent(s);
+  length = padded_extent(length);
+  const SymmetricTiles tiles = SymmetricTiles::split(s, machine.symmetric_block_target);
   IterationCost cost;
   cost.blocks = tiles.blocks();
   cost.packed_elements = static_cast<double>(tiles.packed_elements());

@@ -14,14 +14,23 @@
 
 namespace shardmuon {
 
+// The products run on blocks whose sides are rounded up to a multiple of 8 elements (zero
+// padding, exact; see newton_schulz.cpp's WideBlock::padded): 16-byte rows for the tensor cores.
+constexpr int64_t kProductAlignment = 8;
+inline int64_t padded_extent(int64_t x) {
+  return (x + kProductAlignment - 1) / kProductAlignment * kProductAlignment;
+}
+
 struct SymmetricTiles {
   int64_t n = 0;
   std::vector<int64_t> starts{0, 0};
 
+  static constexpr int kMaxBlocks = 16;
+
   // Blocks of about `target` columns, at most `max_blocks` of them, split at multiples of
   // 32 (the CUDA unpacking kernel's tile) except at n. One block (no savings, a plain
   // product) when n is below 2 * target.
-  static SymmetricTiles split(int64_t n, int64_t target, int max_blocks) {
+  static SymmetricTiles split(int64_t n, int64_t target, int max_blocks = kMaxBlocks) {
     SymmetricTiles tiles;
     tiles.n = n;
     int64_t blocks = target > 0 ? n / target : 1;
