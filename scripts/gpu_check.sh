@@ -35,7 +35,7 @@ cmake -S . -B $build -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTU
   { tail -30 "$out/configure.log"; exit 1; }
 grep -E "zlib|ZLIB|nlohmann" "$out/configure.log" | head -3
 start=$(date +%s)
-cmake --build $build --parallel "$(nproc)" >"$out/build.log" 2>&1 || { grep -E "error" -A5 "$out/build.log" | head -60; exit 1; }
+cmake --build $build --parallel "$(nproc)" -- -k 0 >"$out/build.log" 2>&1 || { grep -E "error" -A5 "$out/build.log" | head -60; exit 1; }
 echo "build: $(( $(date +%s) - start )) s"
 
 results=()

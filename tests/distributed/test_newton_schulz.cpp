@@ -486,9 +486,10 @@ TEST_F(NewtonSchulzInvariants, MultiBlockProductsOnTheGpuMatchTheOracle) {
   const Shape shape{2085, 2301};
   for (const shardmuon_dtype dtype : {SHARDMUON_FLOAT32, SHARDMUON_BFLOAT16}) {
     const Matrix input = input_for(shape, dtype);
-    const Matrix& reference =
-        cached_reference(shape_key(shape, dtype, "quintic5"), input,
-                         coefficients_for(SHARDMUON_SCHEDULE_QUINTIC, 5), kEps);
+    // Named, not temporaries: the cached reference outlives them, but GCC 13 cannot tell.
+    const std::string key = shape_key(shape, dtype, "quintic5");
+    const auto coefficients = coefficients_for(SHARDMUON_SCHEDULE_QUINTIC, 5);
+    const Matrix& reference = cached_reference(key, input, coefficients, kEps);
     for (int p = 1; p <= std::min(2, Harness::get().max_group_size()); ++p) {
       const Group& group = Harness::get().group(p);
       if (!group.member) continue;
