@@ -337,8 +337,9 @@ SHARDMUON_API shardmuon_status shardmuon_ns_plan(const shardmuon_layout* layout,
 
 /* The planner's estimate, in seconds, of the algorithm shardmuon_ns_plan picks for these
  * arguments: its cost model of bf16 on H200-class GPUs over NVLink (docs/DESIGN_NOTES.md),
- * not a measurement. For GRAM_NEWTON_SCHULZ it prices the standard iteration of the same
- * distribution (the model has no term for (e) yet). Local; no communication. */
+ * not a measurement. For GRAM_NEWTON_SCHULZ it prices (e) itself on one rank (comm_size 1 or
+ * replicated, restarting as bf16 does), and the standard iteration of the same distribution
+ * on several. Local; no communication. */
 SHARDMUON_API shardmuon_status shardmuon_ns_estimate(const shardmuon_layout* layout, int comm_size,
                                                      const shardmuon_ns_options* options,
                                                      double* seconds);

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 
 #include "core/agreement.h"
 #include "core/dtype.h"
@@ -250,8 +251,28 @@ ValidatedMuonStep validate_muon_step(const Backend& backend, const Communicator&
 
 namespace {
 
-// The matrices of a parameter as owner-batch entries (owner still unassigned).
+// The standard and the Gram iteration of a whole matrix on one rank, by the cost model.
+struct LocalCosts {
+  double standard = 0.0, gram = 0.0;
+};
+LocalCosts local_costs(const NsProblem& whole, const MachineModel& machine) {
+  const int iterations = static_cast<int>(whole.coefficients.size());
+  const NsCostInputs inputs{whole.layout, 1, iterations};
+  return {estimate_local_seconds(inputs, machine),
+          estimate_local_gram_iteration_seconds(
+              inputs, gram_iteration_restart(whole.dtype, iterations), machine)};
+}
+
+// The matrices of a parameter as owner-batch entries (owner still unassigned). Under
+// GRAM_NEWTON_SCHULZ an owner runs (e) on its whole matrix where it takes fewer flops than the
+// standard iteration (the long side well above the short one), the standard iteration
+// elsewhere (near-square, where (e) saves nothing and loses accuracy). Flops only: (e) has a
+// few more products and unpacking passes, which decide only on matrices whose whole
+// Newton-Schulz takes microseconds either way.
 std::vector<OwnedMatrix> matrices_of(const MuonParamPlan& plan, size_t index) {
+  MachineModel flops_only;
+  flops_only.seconds_per_gemm = 0.0;
+  flops_only.memory_bytes_per_second = std::numeric_limits<double>::infinity();
   std::vector<OwnedMatrix> matrices;
   auto add = [&](const NsProblem& ns, int64_t offset) {
     OwnedMatrix m;
@@ -263,6 +284,10 @@ std::vector<OwnedMatrix> matrices_of(const MuonParamPlan& plan, size_t index) {
                                  nullptr};
     m.whole.layout = ShardLayout::from_api(whole, 1);
     m.whole.plan = NsPlan{};  // local
+    if (plan.requested == SHARDMUON_NS_GRAM_NEWTON_SCHULZ) {
+      const LocalCosts costs = local_costs(m.whole, flops_only);
+      m.whole.plan.gram_iteration = costs.gram < costs.standard;
+    }
     matrices.push_back(std::move(m));
   };
   if (plan.row_blocks.empty()) add(plan.ns, 0);
@@ -281,12 +306,15 @@ void plan_owners(ValidatedMuonStep& step, int ranks) {
     if (!plan.has_grad) continue;
     if (plan.requested == SHARDMUON_NS_OWNER) requested.push_back(i);
     // Replicated parameters join only when asked: their owner's result replaces every
-    // rank's, which is right for replicas (data parallelism) and only for them.
-    if (plan.requested == SHARDMUON_NS_AUTO && plan.ns.layout.is_sharded()) automatic.push_back(i);
+    // rank's, which is right for replicas (data parallelism) and only for them. Under
+    // GRAM_NEWTON_SCHULZ the choice is AUTO's, with (e) for the owners where it is less work.
+    const bool chooses =
+        plan.requested == SHARDMUON_NS_AUTO || plan.requested == SHARDMUON_NS_GRAM_NEWTON_SCHULZ;
+    if (chooses && plan.ns.layout.is_sharded()) automatic.push_back(i);
   }
   auto local_seconds = [&](const OwnedMatrix& m) {
-    return estimate_local_seconds(
-        NsCostInputs{m.whole.layout, 1, static_cast<int>(m.ns.coefficients.size())}, machine);
+    const LocalCosts costs = local_costs(m.whole, machine);
+    return m.whole.plan.gram_iteration ? costs.gram : costs.standard;
   };
   // Longest processing time first over the ranks; returns the makespan.
   auto assign = [&](std::vector<OwnedMatrix>& batch) {

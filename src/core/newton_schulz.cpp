@@ -277,18 +277,18 @@ const void* iterate_on_x(Backend& backend, Communicator* comm, const NsProblem& 
 // (e) Gram Newton-Schulz. With R = X X^T, one step X' = Q X (Q = a I + b R + c R^2) gives
 // R' = Q R Q, so the iteration can run on R alone, collecting M = Q_k ... Q_0, and X is
 // multiplied once, by M, at the end. Q, R, M and R Q are polynomials in the first R, so they
-// are symmetric and commute: every product is computed as lower block columns. In bfloat16
-// R's rounding errors grow with each step (R's condition is X's squared), so the iteration
-// restarts every kRestartBf16 steps: X <- M X, R recomputed from it, M <- I.
+// are symmetric and commute: every product is computed as lower block columns. The
+// iteration restarts (X <- M X, R recomputed from it, M <- I) every gram_iteration_restart
+// steps.
 const void* iterate_on_gram(Backend& backend, Communicator* comm, const NsProblem& problem,
                             const IterationBuffers& buffers, void* data, bool staged,
                             Stream stream) {
-  constexpr size_t kRestartBf16 = 2;
   const shardmuon_dtype dtype = problem.dtype, accumulate = accumulate_dtype(dtype);
   const WideBlock& padded = buffers.padded;
   const SymmetricTiles& tiles = buffers.tiles;
   const size_t iterations = problem.coefficients.size();
-  const size_t restart = dtype == SHARDMUON_BFLOAT16 ? kRestartBf16 : iterations;
+  const size_t restart =
+      static_cast<size_t>(gram_iteration_restart(dtype, static_cast<int>(iterations)));
   const size_t full_bytes = static_cast<size_t>(padded.s * padded.s) * element_size(dtype);
   void* m = buffers.product_full;
   const void* x = buffers.x[0];
@@ -608,7 +608,13 @@ shardmuon_ns_algorithm reported_algorithm(const NsPlan& plan) {
 double estimate_plan_seconds(const NsPlan& plan, const NsCostInputs& inputs,
                              const MachineModel& machine) {
   switch (plan.algorithm) {
-    case NsPlan::Algorithm::kLocal: return estimate_local_seconds(inputs, machine);
+    case NsPlan::Algorithm::kLocal:
+      // The model is of bf16, so (e) restarts as bf16 does.
+      return plan.gram_iteration
+                 ? estimate_local_gram_iteration_seconds(
+                       inputs, gram_iteration_restart(SHARDMUON_BFLOAT16, inputs.iterations),
+                       machine)
+                 : estimate_local_seconds(inputs, machine);
     case NsPlan::Algorithm::kDuplicated: return estimate_duplicated_seconds(inputs, machine);
     case NsPlan::Algorithm::kGramAllReduce:
       return estimate_gram_all_reduce_seconds(inputs, machine);

@@ -39,6 +39,12 @@ shardmuon_ns_algorithm reported_algorithm(const NsPlan& plan);
 double estimate_plan_seconds(const NsPlan& plan, const NsCostInputs& inputs,
                              const MachineModel& machine);
 
+// (e)'s restart period: in bfloat16 R's rounding errors grow with each step (R's condition
+// is X's squared), so X <- M X and R is recomputed every two steps; wider dtypes never restart.
+inline int gram_iteration_restart(shardmuon_dtype dtype, int iterations) {
+  return dtype == SHARDMUON_BFLOAT16 ? 2 : iterations;
+}
+
 struct NsProblem {
   shardmuon_dtype dtype = SHARDMUON_FLOAT32;
   ShardLayout layout;

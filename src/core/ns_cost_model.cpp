@@ -47,6 +47,33 @@ double estimate_local_seconds(const NsCostInputs& inputs, const MachineModel& ma
   return inputs.iterations * (iteration.gram_seconds + iteration.other_seconds);
 }
 
+double estimate_local_gram_iteration_seconds(const NsCostInputs& inputs, int restart_every,
+                                             const MachineModel& machine) {
+  const int64_t s = padded_extent(std::min(inputs.layout.rows(), inputs.layout.cols()));
+  const int64_t length = padded_extent(std::max(inputs.layout.rows(), inputs.layout.cols()));
+  const SymmetricTiles tiles = SymmetricTiles::split(s, machine.symmetric_block_target);
+  const double rate = machine.gemm_flops_per_second, gemms = machine.seconds_per_gemm;
+  const double packed = static_cast<double>(tiles.packed_elements());
+  const double sd = static_cast<double>(s), ld = static_cast<double>(length);
+  const double unpack =
+      2 * (4 * packed + machine.element_bytes * sd * sd) / machine.memory_bytes_per_second;
+  // A symmetric s x s x s product (lower block columns) and its unpacking.
+  const double square = 2 * packed * sd / rate + tiles.blocks() * gemms + unpack;
+  const double gram = 2 * packed * ld / rate + tiles.blocks() * gemms + unpack;
+  const double apply = 2 * sd * sd * ld / rate + gemms;
+  const double copy = 2 * machine.element_bytes * sd * sd / machine.memory_bytes_per_second;
+  const int restart = std::max(1, restart_every);
+  double seconds = 0.0;
+  for (int k = 0; k < inputs.iterations; ++k) {
+    const bool first = k % restart == 0;
+    const bool last = k + 1 == inputs.iterations || (k + 1) % restart == 0;
+    seconds += square;                        // Q = a I + b R + c R R
+    seconds += first ? gram + copy : square;  // R from X and M = Q, or M <- Q M
+    seconds += last ? apply : 2 * square;     // X <- M X, or R <- Q (R Q)
+  }
+  return seconds;
+}
+
 double estimate_duplicated_seconds(const NsCostInputs& inputs, const MachineModel& machine) {
   const ShardLayout& layout = inputs.layout;
   const int64_t rows = layout.rows(), cols = layout.cols();

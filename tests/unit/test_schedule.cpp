@@ -117,6 +117,23 @@ TEST_F(Schedules, PlansFollowTheLayout) {
     EXPECT_EQ(chosen_seconds, std::min(duplicated_seconds, gram_seconds)) << "side " << side;
   }
   EXPECT_EQ(plan(64, 257, SHARDMUON_SHARDED_DIM1, 1, SHARDMUON_NS_DUPLICATED), SHARDMUON_NS_LOCAL);
+
+  // (e) on one rank: about two thirds of the standard iteration's work when the long side is
+  // seven times the short one (the Llama-8B gate+up); no saving on a square matrix, where it
+  // runs more products of the short side.
+  auto local_seconds = [&](int64_t rows, int64_t cols, shardmuon_ns_algorithm algorithm) {
+    shardmuon_layout layout{rows, cols, SHARDMUON_REPLICATED, 1, nullptr};
+    options.algorithm = algorithm;
+    double seconds = 0;
+    EXPECT_EQ(shardmuon_ns_estimate(&layout, 1, &options, &seconds), SHARDMUON_SUCCESS);
+    return seconds;
+  };
+  const double long_ratio = local_seconds(28672, 4096, SHARDMUON_NS_GRAM_NEWTON_SCHULZ) /
+                            local_seconds(28672, 4096, SHARDMUON_NS_AUTO);
+  EXPECT_GT(long_ratio, 0.55);
+  EXPECT_LT(long_ratio, 0.8);
+  EXPECT_GE(local_seconds(4096, 4096, SHARDMUON_NS_GRAM_NEWTON_SCHULZ),
+            local_seconds(4096, 4096, SHARDMUON_NS_AUTO));
 }
 
 }  // namespace
