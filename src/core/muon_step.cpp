@@ -419,15 +419,14 @@ size_t exchanged_bytes(const OwnedMatrix& m, int rank) {
 //   then the Newton-Schulz scratch.
 struct StepLayout {
   size_t flags = 0;
-  std::vector<size_t> new_momentum, update;          // per parameter
-  std::vector<size_t> sent;                          // per owned matrix: its piece, to its owner
-  std::vector<size_t> peer_offsets, peer_bytes;      // per owner: the pieces sent it
-  std::vector<size_t> source_offsets, source_bytes;  // per source: the pieces it sent here
-  std::vector<std::vector<size_t>> received;         // [owned matrix][source]
-  std::vector<size_t> matrix;                        // per owned matrix (owner only)
-  size_t gathered = 0, gather_block_bytes = 0;       // replicated results, one block per rank
-  std::vector<size_t> result;                        // per replicated matrix: within its block
-  bool exchanges = false, gathers = false;
+  std::vector<size_t> new_momentum, update;     // per parameter
+  std::vector<size_t> sent;                     // per owned matrix: its piece, to its owner
+  size_t sending = 0, receiving = 0;            // where those two regions start
+  std::vector<std::vector<size_t>> received;    // [owned matrix][source]
+  std::vector<size_t> matrix;                   // per owned matrix (owner only)
+  size_t gathered = 0, gather_block_bytes = 0;  // replicated results, one block per rank
+  std::vector<size_t> result;                   // per replicated matrix: within its block
+  bool gathers = false;
   size_t scratch = 0, total = 0;
 
   static StepLayout of(const Backend& backend, const ValidatedMuonStep& step, int rank, int ranks,
@@ -453,32 +452,25 @@ struct StepLayout {
     layout.received.assign(owned, std::vector<size_t>(ranks, 0));
     layout.matrix.assign(owned, 0);
     layout.result.assign(owned, 0);
-    layout.peer_offsets.assign(ranks, 0);
-    layout.peer_bytes.assign(ranks, 0);
+    layout.sending = offset;
     for (int q = 0; q < ranks; ++q) {
-      layout.peer_offsets[q] = offset;
       for (size_t k = 0; k < owned; ++k) {
         if (step.owned[k].owner == q) layout.sent[k] = take(exchanged_bytes(step.owned[k], rank));
       }
-      layout.peer_bytes[q] = offset - layout.peer_offsets[q];
     }
     take(1);  // the receive region never starts where the send region does (MPI wants it)
-    layout.source_offsets.assign(ranks, 0);
-    layout.source_bytes.assign(ranks, 0);
+    layout.receiving = offset;
     for (int source = 0; source < ranks; ++source) {
-      layout.source_offsets[source] = offset;
       for (size_t k = 0; k < owned; ++k) {
         if (step.owned[k].owner == rank) {
           layout.received[k][source] = take(exchanged_bytes(step.owned[k], source));
         }
       }
-      layout.source_bytes[source] = offset - layout.source_offsets[source];
     }
     std::vector<size_t> results_of(ranks, 0);  // bytes of replicated results per owner
     size_t scratch = 0;
     for (size_t k = 0; k < owned; ++k) {
       const OwnedMatrix& m = step.owned[k];
-      layout.exchanges = layout.exchanges || m.ns.layout.is_sharded();
       if (!m.ns.layout.is_sharded()) {
         layout.gathers = true;
         layout.result[k] = results_of[m.owner];
@@ -535,13 +527,20 @@ void copy_bytes(Backend& backend, void* dst, const void* src, size_t bytes, Stre
   if (bytes > 0) backend.copy_2d(dst, bytes, src, bytes, bytes, 1, stream);
 }
 
-// (f): every rank sends its pieces of the sharded matrices to their owners (one all-to-all),
-// owners assemble and orthogonalize their whole matrices (a replicated matrix they hold
-// already), and the pieces come back by a second all-to-all; replicated results reach every
-// rank by one all-gather.
+// (f) in rounds: round r holds each owner's r-th matrix (in the order of step.owned). Every
+// rank sends its pieces of the round's sharded matrices to their owners and, once the owners
+// have orthogonalized them, gets its pieces back: one all-to-all each way per round, on the
+// backend's side stream, so that round r + 1's pieces travel and round r - 1's results come
+// back while round r is computed. Replicated matrices' results (their owner holds the whole
+// matrix already) reach every rank by one all-gather at the end.
 void run_owner_batch(Backend& backend, Communicator& comm, const ValidatedMuonStep& step,
                      const StepLayout& layout, char* base, Stream stream) {
-  const int rank = comm.rank();
+  const int rank = comm.rank(), ranks = comm.size();
+  std::vector<std::vector<size_t>> owned_by(ranks);
+  for (size_t k = 0; k < step.owned.size(); ++k) owned_by[step.owned[k].owner].push_back(k);
+  size_t rounds = 0;
+  for (const std::vector<size_t>& list : owned_by) rounds = std::max(rounds, list.size());
+
   // The local pieces, contiguous in each update buffer, packed by owner.
   for (size_t k = 0; k < step.owned.size(); ++k) {
     const OwnedMatrix& m = step.owned[k];
@@ -550,49 +549,78 @@ void run_owner_batch(Backend& backend, Communicator& comm, const ValidatedMuonSt
     copy_bytes(backend, base + layout.sent[k], base + layout.update[m.param] + m.offset * element,
                m.ns.layout.local_elements(rank) * element, stream);
   }
+
   // Offsets relative to each region's start, so that the send and receive buffers differ.
-  auto relative = [](const std::vector<size_t>& offsets) {
-    std::vector<size_t> result(offsets);
-    for (size_t& offset : result) offset -= offsets.front();
-    return result;
+  char* sending = base + layout.sending;
+  char* receiving = base + layout.receiving;
+  const Stream side = backend.side_stream(stream);
+  // One round's exchange: `forward`, the pieces to their owners; otherwise the results back.
+  // Every rank knows every round's matrices, so all skip the same (all-replicated) rounds.
+  auto exchange_round = [&](size_t r, bool forward) {
+    std::vector<size_t> to_owner(ranks, 0), to_owner_at(ranks, 0);
+    std::vector<size_t> from_source(ranks, 0), from_source_at(ranks, 0);
+    bool any = false;
+    for (int q = 0; q < ranks; ++q) {
+      if (r >= owned_by[q].size()) continue;
+      const size_t k = owned_by[q][r];
+      any = any || step.owned[k].ns.layout.is_sharded();
+      to_owner[q] = exchanged_bytes(step.owned[k], rank);
+      to_owner_at[q] = layout.sent[k] - layout.sending;
+    }
+    if (!any) return;
+    if (r < owned_by[rank].size()) {
+      const size_t k = owned_by[rank][r];
+      for (int source = 0; source < ranks; ++source) {
+        from_source[source] = exchanged_bytes(step.owned[k], source);
+        from_source_at[source] = layout.received[k][source] - layout.receiving;
+      }
+    }
+    if (forward) {
+      comm.all_to_all(sending, to_owner, to_owner_at, receiving, from_source, from_source_at, side);
+    } else {
+      comm.all_to_all(receiving, from_source, from_source_at, sending, to_owner, to_owner_at, side);
+    }
   };
-  char* sending = base + layout.peer_offsets.front();
-  char* receiving = base + layout.source_offsets.front();
-  const std::vector<size_t> peer_offsets = relative(layout.peer_offsets);
-  const std::vector<size_t> source_offsets = relative(layout.source_offsets);
-  if (layout.exchanges) {
-    comm.all_to_all(sending, layout.peer_bytes, peer_offsets, receiving, layout.source_bytes,
-                    source_offsets, stream);
-  }
+
   char* gathered = base + layout.gathered;
-  for (size_t k = 0; k < step.owned.size(); ++k) {
-    const OwnedMatrix& m = step.owned[k];
-    if (m.owner != rank) continue;
-    char* matrix = base + layout.matrix[k];
-    const bool sharded = m.ns.layout.is_sharded();
-    const size_t element = element_size(m.ns.dtype);
-    if (sharded) {
-      for (int source = 0; source < comm.size(); ++source) {
-        move_shard(backend, m, source, base + layout.received[k][source], matrix, true, stream);
+  backend.order_after(side, stream);  // the packed pieces
+  if (rounds > 0) exchange_round(0, true);
+  backend.order_after(stream, side);
+  for (size_t r = 0; r < rounds; ++r) {
+    if (r < owned_by[rank].size()) {
+      const size_t k = owned_by[rank][r];
+      const OwnedMatrix& m = step.owned[k];
+      char* matrix = base + layout.matrix[k];
+      const bool sharded = m.ns.layout.is_sharded();
+      const size_t element = element_size(m.ns.dtype);
+      if (sharded) {
+        for (int source = 0; source < ranks; ++source) {
+          move_shard(backend, m, source, base + layout.received[k][source], matrix, true, stream);
+        }
+      } else {
+        copy_bytes(backend, matrix, base + layout.update[m.param] + m.offset * element,
+                   whole_bytes(m.ns), stream);
       }
-    } else {
-      copy_bytes(backend, matrix, base + layout.update[m.param] + m.offset * element,
-                 whole_bytes(m.ns), stream);
-    }
-    run_newton_schulz(backend, comm, m.whole, matrix, stream, layout.scratch);
-    if (sharded) {
-      for (int source = 0; source < comm.size(); ++source) {
-        move_shard(backend, m, source, base + layout.received[k][source], matrix, false, stream);
+      run_newton_schulz(backend, comm, m.whole, matrix, stream, layout.scratch);
+      if (sharded) {
+        for (int source = 0; source < ranks; ++source) {
+          move_shard(backend, m, source, base + layout.received[k][source], matrix, false, stream);
+        }
+      } else {
+        copy_bytes(backend, gathered + rank * layout.gather_block_bytes + layout.result[k], matrix,
+                   whole_bytes(m.ns), stream);
       }
-    } else {
-      copy_bytes(backend, gathered + rank * layout.gather_block_bytes + layout.result[k], matrix,
-                 whole_bytes(m.ns), stream);
     }
+    // The next round's pieces, which the next round's products wait for (and, with them, for
+    // the results of the round before this one, sent back meanwhile).
+    if (r + 1 < rounds) {
+      exchange_round(r + 1, true);
+      backend.order_after(stream, side);
+    }
+    backend.order_after(side, stream);  // this round's results
+    exchange_round(r, false);
   }
-  if (layout.exchanges) {
-    comm.all_to_all(receiving, layout.source_bytes, source_offsets, sending, layout.peer_bytes,
-                    peer_offsets, stream);
-  }
+  backend.order_after(stream, side);
   if (layout.gathers) comm.all_gather_in_place(gathered, layout.gather_block_bytes, stream);
   // Every piece back into its update buffer.
   for (size_t k = 0; k < step.owned.size(); ++k) {
