@@ -404,10 +404,11 @@ size_t whole_bytes(const NsProblem& ns) {
 }
 
 // What a rank sends a matrix's owner in the first exchange (and gets back in the second): its
-// shard, or nothing for a replicated matrix, whose owner has it already.
+// shard; nothing for a replicated matrix, whose owner has it already, nor for the owner's own
+// shard, which it reads from and writes back to its update buffer directly.
 size_t exchanged_bytes(const OwnedMatrix& m, int rank) {
-  if (!m.ns.layout.is_sharded()) return 0;
-  return aligned_bytes(m.ns.layout.local_elements(rank) * element_size(m.ns.dtype));
+  if (!m.ns.layout.is_sharded() || rank == m.owner) return 0;
+  return m.ns.layout.local_elements(rank) * element_size(m.ns.dtype);
 }
 
 // Where a step's buffers lie in the workspace, on one rank (offsets from its start):
@@ -541,13 +542,14 @@ void run_owner_batch(Backend& backend, Communicator& comm, const ValidatedMuonSt
   size_t rounds = 0;
   for (const std::vector<size_t>& list : owned_by) rounds = std::max(rounds, list.size());
 
-  // The local pieces, contiguous in each update buffer, packed by owner.
+  // This rank's piece of a matrix: contiguous in its update buffer.
+  auto own_piece = [&](const OwnedMatrix& m) {
+    return base + layout.update[m.param] + m.offset * element_size(m.ns.dtype);
+  };
+  // The pieces for other owners, packed by owner.
   for (size_t k = 0; k < step.owned.size(); ++k) {
-    const OwnedMatrix& m = step.owned[k];
-    if (!m.ns.layout.is_sharded()) continue;  // its owner holds it already
-    const size_t element = element_size(m.ns.dtype);
-    copy_bytes(backend, base + layout.sent[k], base + layout.update[m.param] + m.offset * element,
-               m.ns.layout.local_elements(rank) * element, stream);
+    copy_bytes(backend, base + layout.sent[k], own_piece(step.owned[k]),
+               exchanged_bytes(step.owned[k], rank), stream);
   }
 
   // Offsets relative to each region's start, so that the send and receive buffers differ.
@@ -592,19 +594,20 @@ void run_owner_batch(Backend& backend, Communicator& comm, const ValidatedMuonSt
       const OwnedMatrix& m = step.owned[k];
       char* matrix = base + layout.matrix[k];
       const bool sharded = m.ns.layout.is_sharded();
-      const size_t element = element_size(m.ns.dtype);
+      auto piece_of = [&](int source) {
+        return source == rank ? own_piece(m) : base + layout.received[k][source];
+      };
       if (sharded) {
         for (int source = 0; source < ranks; ++source) {
-          move_shard(backend, m, source, base + layout.received[k][source], matrix, true, stream);
+          move_shard(backend, m, source, piece_of(source), matrix, true, stream);
         }
       } else {
-        copy_bytes(backend, matrix, base + layout.update[m.param] + m.offset * element,
-                   whole_bytes(m.ns), stream);
+        copy_bytes(backend, matrix, own_piece(m), whole_bytes(m.ns), stream);
       }
       run_newton_schulz(backend, comm, m.whole, matrix, stream, layout.scratch);
       if (sharded) {
         for (int source = 0; source < ranks; ++source) {
-          move_shard(backend, m, source, base + layout.received[k][source], matrix, false, stream);
+          move_shard(backend, m, source, piece_of(source), matrix, false, stream);
         }
       } else {
         copy_bytes(backend, gathered + rank * layout.gather_block_bytes + layout.result[k], matrix,
@@ -622,16 +625,14 @@ void run_owner_batch(Backend& backend, Communicator& comm, const ValidatedMuonSt
   }
   backend.order_after(stream, side);
   if (layout.gathers) comm.all_gather_in_place(gathered, layout.gather_block_bytes, stream);
-  // Every piece back into its update buffer.
+  // Every piece from another owner back into its update buffer.
   for (size_t k = 0; k < step.owned.size(); ++k) {
     const OwnedMatrix& m = step.owned[k];
-    const size_t element = element_size(m.ns.dtype);
-    char* piece = base + layout.update[m.param] + m.offset * element;
     if (m.ns.layout.is_sharded()) {
-      copy_bytes(backend, piece, base + layout.sent[k], m.ns.layout.local_elements(rank) * element,
-                 stream);
+      copy_bytes(backend, own_piece(m), base + layout.sent[k], exchanged_bytes(m, rank), stream);
     } else {
-      copy_bytes(backend, piece, gathered + m.owner * layout.gather_block_bytes + layout.result[k],
+      copy_bytes(backend, own_piece(m),
+                 gathered + m.owner * layout.gather_block_bytes + layout.result[k],
                  whole_bytes(m.ns), stream);
     }
   }
