@@ -95,12 +95,19 @@ typedef enum shardmuon_backend {
 typedef enum shardmuon_partition {
   SHARDMUON_REPLICATED = 0,   /* every rank holds the whole matrix */
   SHARDMUON_SHARDED_DIM0 = 1, /* contiguous blocks of rows (column-parallel Linear weight) */
-  SHARDMUON_SHARDED_DIM1 = 2  /* contiguous blocks of columns (row-parallel Linear weight) */
+  SHARDMUON_SHARDED_DIM1 = 2, /* contiguous blocks of columns (row-parallel Linear weight) */
+  /* Contiguous ranges of the row-major matrix's elements, in rank order: what a rank holds of
+   * a parameter when data-parallel (ZeRO / distributed-optimizer) sharding splits one flat
+   * buffer of many parameters. A range may start and end inside a row. Orthogonalized by
+   * DUPLICATED (one matrix) or by owners (a step); the Gram all-reduce needs DIM0 or DIM1. */
+  SHARDMUON_SHARDED_FLAT = 3
 } shardmuon_partition;
 
 /* How a logical rows x cols matrix is spread over the ranks of a group. The local shard of
  * rank r is row-major and contiguous: shard_sizes[r] x cols for DIM0, rows x shard_sizes[r]
- * for DIM1, the whole matrix when REPLICATED. Shards may be uneven and may be empty. */
+ * for DIM1, shard_sizes[r] elements for FLAT (shard_sizes count elements; NULL splits the
+ * rows x cols elements evenly), the whole matrix when REPLICATED. Shards may be uneven and
+ * may be empty. */
 typedef struct shardmuon_layout {
   int64_t rows; /* logical (global) number of rows, >= 1 */
   int64_t cols; /* logical (global) number of columns, >= 1 */

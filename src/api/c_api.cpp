@@ -64,6 +64,7 @@ PlannedMatrix plan_matrix(const shardmuon_layout* layout, int comm_size,
   check_single_matrix_algorithm(*options);
   PlannedMatrix planned;
   planned.layout = ShardLayout::from_api(*layout, comm_size);
+  check_algorithm_fits_layout(options->algorithm, planned.layout, "options->algorithm, layout");
   planned.plan =
       plan_newton_schulz(planned.layout, comm_size, options->algorithm, options->num_iterations);
   return planned;
@@ -90,6 +91,7 @@ ValidatedNsCall validate_ns_call(shardmuon_context_t context, Communicator& comm
   validate_ns_options(*options);
   check_single_matrix_algorithm(*options);
   const ShardLayout shard_layout = ShardLayout::from_api(*layout, comm.size());
+  check_algorithm_fits_layout(options->algorithm, shard_layout, "options->algorithm, layout");
 
   const int64_t local_elements = shard_layout.local_elements(comm.rank());
   if (local_elements > 0) {

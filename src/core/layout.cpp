@@ -25,10 +25,10 @@ ShardLayout ShardLayout::from_api(const shardmuon_layout& layout, int comm_size)
   SHARDMUON_CHECK_ARG(layout.rows <= std::numeric_limits<int64_t>::max() / 8 / layout.cols,
                       "layout->rows x layout->cols is too large: ", layout.rows, " x ",
                       layout.cols);
-  SHARDMUON_CHECK_ARG(layout.partition == SHARDMUON_REPLICATED ||
-                          layout.partition == SHARDMUON_SHARDED_DIM0 ||
-                          layout.partition == SHARDMUON_SHARDED_DIM1,
-                      "layout->partition is unknown: ", static_cast<int>(layout.partition));
+  SHARDMUON_CHECK_ARG(
+      layout.partition == SHARDMUON_REPLICATED || layout.partition == SHARDMUON_SHARDED_DIM0 ||
+          layout.partition == SHARDMUON_SHARDED_DIM1 || layout.partition == SHARDMUON_SHARDED_FLAT,
+      "layout->partition is unknown: ", static_cast<int>(layout.partition));
 
   ShardLayout result;
   result.rows_ = layout.rows;
@@ -38,7 +38,9 @@ ShardLayout ShardLayout::from_api(const shardmuon_layout& layout, int comm_size)
 
   SHARDMUON_CHECK_ARG(layout.num_shards == comm_size, "layout->num_shards (", layout.num_shards,
                       ") must equal the communicator's size (", comm_size, ")");
-  const int64_t extent = result.sharded_dim() == 0 ? layout.rows : layout.cols;
+  const int64_t extent = result.is_flat()            ? layout.rows * layout.cols
+                         : result.sharded_dim() == 0 ? layout.rows
+                                                     : layout.cols;
   if (layout.shard_sizes == nullptr) {
     result.shard_sizes_ = balanced_split(extent, comm_size);
   } else {
@@ -51,30 +53,36 @@ ShardLayout ShardLayout::from_api(const shardmuon_layout& layout, int comm_size)
       sum += size;
     }
     SHARDMUON_CHECK_ARG(sum == extent, "layout->shard_sizes add up to ", sum, ", but the sharded ",
-                        (result.sharded_dim() == 0 ? "rows" : "cols"), " number ", extent);
+                        (result.is_flat()            ? "elements"
+                         : result.sharded_dim() == 0 ? "rows"
+                                                     : "cols"),
+                        " number ", extent);
   }
   result.shard_offsets_ = prefix_offsets(result.shard_sizes_);
   return result;
 }
 
 int64_t ShardLayout::local_rows(int rank) const {
+  if (is_flat()) return 1;
   return partition_ == SHARDMUON_SHARDED_DIM0 ? shard_sizes_[rank] : rows_;
 }
 
 int64_t ShardLayout::local_cols(int rank) const {
+  if (is_flat()) return shard_sizes_[rank];
   return partition_ == SHARDMUON_SHARDED_DIM1 ? shard_sizes_[rank] : cols_;
 }
 
 int ShardLayout::long_dim() const {
   if (rows_ < cols_) return 1;
   if (rows_ > cols_) return 0;
-  return is_sharded() ? sharded_dim() : 1;
+  return sharded_dim() == 0 ? 0 : 1;
 }
 
 std::string ShardLayout::describe() const {
   std::string out = concat(rows_, " x ", cols_);
   if (!is_sharded()) return out + " replicated";
-  out += concat(" sharded along dim ", sharded_dim(), " as [");
+  out += is_flat() ? concat(" sharded flat (elements) as [")
+                   : concat(" sharded along dim ", sharded_dim(), " as [");
   for (size_t r = 0; r < shard_sizes_.size(); ++r) out += concat(r ? ", " : "", shard_sizes_[r]);
   return out + "]";
 }

@@ -26,11 +26,25 @@ class ShardLayout {
   int64_t cols() const { return cols_; }
   shardmuon_partition partition() const { return partition_; }
   bool is_sharded() const { return partition_ != SHARDMUON_REPLICATED; }
-  // 0 or 1 for sharded layouts.
-  int sharded_dim() const { return partition_ == SHARDMUON_SHARDED_DIM0 ? 0 : 1; }
+  // Shards that are ranges of the row-major elements (SHARDMUON_SHARDED_FLAT), not rows or
+  // columns: their sizes and offsets count elements.
+  bool is_flat() const { return partition_ == SHARDMUON_SHARDED_FLAT; }
+  // 0 or 1 for layouts sharded along a dim; -1 for flat and replicated ones.
+  int sharded_dim() const {
+    return partition_ == SHARDMUON_SHARDED_DIM0 ? 0 : partition_ == SHARDMUON_SHARDED_DIM1 ? 1 : -1;
+  }
   const std::vector<int64_t>& shard_sizes() const { return shard_sizes_; }
   const std::vector<int64_t>& shard_offsets() const { return shard_offsets_; }
 
+  // Whether each shard is one contiguous range of the row-major matrix (DIM0 and FLAT), and
+  // where rank's range starts (elements).
+  bool shards_are_contiguous() const { return sharded_dim() == 0 || is_flat(); }
+  int64_t element_offset(int rank) const {
+    return is_flat() ? shard_offsets_[rank] : shard_offsets_[rank] * cols_;
+  }
+
+  // The local shard's extents; for a flat shard, which need not be a rectangle, local_rows
+  // is 1 and local_cols its element count.
   int64_t local_rows(int rank) const;
   int64_t local_cols(int rank) const;
   int64_t local_elements(int rank) const { return local_rows(rank) * local_cols(rank); }

@@ -48,8 +48,8 @@ void check_buffer(const Backend& backend, const void* pointer, const char* field
 
 // The problems of row_blocks matrices stacked along dim 0 of `whole`, and where each starts
 // in this rank's shard. A block of a dim-1 shard (or of a replicated matrix) is rows of every
-// rank's shard; a block of a dim-0 shard lies on the ranks whose rows it meets, in pieces that
-// are contiguous rows of their shards.
+// rank's shard; a block of a dim-0 or flat shard lies on the ranks whose range it meets, in
+// pieces that are contiguous ranges of their shards (rows, or elements).
 std::vector<MuonParamPlan::RowBlock> split_rows(const NsProblem& whole, int64_t row_blocks,
                                                 shardmuon_ns_algorithm requested,
                                                 const Communicator& comm) {
@@ -62,8 +62,10 @@ std::vector<MuonParamPlan::RowBlock> split_rows(const NsProblem& whole, int64_t 
     std::vector<int64_t> sizes(ranks, 0);
     shardmuon_layout api{rows, cols, layout.partition(), ranks, nullptr};
     int64_t offset = b * rows * layout.local_cols(rank);
-    if (layout.is_sharded() && layout.sharded_dim() == 0) {
-      const int64_t first = b * rows, last = first + rows;
+    if (layout.is_sharded() && layout.shards_are_contiguous()) {
+      // In the shards' unit: rows (dim 0) or elements (flat).
+      const int64_t unit = layout.is_flat() ? 1 : cols;
+      const int64_t first = b * rows * cols / unit, last = first + rows * cols / unit;
       for (int r = 0; r < ranks; ++r) {
         const int64_t begin = std::max(first, layout.shard_offsets()[r]);
         const int64_t end = std::min(last, layout.shard_offsets()[r] + layout.shard_sizes()[r]);
@@ -72,7 +74,7 @@ std::vector<MuonParamPlan::RowBlock> split_rows(const NsProblem& whole, int64_t 
       offset =
           sizes[rank] > 0
               ? (std::max(first, layout.shard_offsets()[rank]) - layout.shard_offsets()[rank]) *
-                    cols
+                    unit
               : 0;
       api.shard_sizes = sizes.data();
     } else if (layout.is_sharded()) {
@@ -183,6 +185,9 @@ ValidatedMuonStep validate_muon_step(const Backend& backend, const Communicator&
       throw Failure(e.status(), message);
     }
     const shardmuon_muon_group& group = groups[group_index];
+    check_algorithm_fits_layout(
+        group.ns.algorithm, layout,
+        concat("groups[", group_index, "].ns.algorithm, ", name, ".layout"));
     MuonParamPlan plan;
     plan.param = &p;
     SHARDMUON_CHECK_ARG(p.no_grad == 0 || p.no_grad == 1, name, ".no_grad must be 0 or 1, got ",
@@ -508,9 +513,9 @@ void move_shard(Backend& backend, const OwnedMatrix& m, int source, char* staged
   const size_t element = element_size(m.ns.dtype);
   const int64_t size = layout.shard_sizes()[source], offset = layout.shard_offsets()[source];
   if (size == 0) return;
-  if (layout.sharded_dim() == 0) {  // a block of whole rows: one contiguous range
-    const size_t bytes = size * layout.cols() * element;
-    char* in_matrix = matrix + offset * layout.cols() * element;
+  if (layout.shards_are_contiguous()) {  // whole rows, or flat: one contiguous range
+    const size_t bytes = layout.local_elements(source) * element;
+    char* in_matrix = matrix + layout.element_offset(source) * element;
     backend.copy_2d(into_matrix ? in_matrix : staged, bytes, into_matrix ? staged : in_matrix,
                     bytes, bytes, 1, stream);
   } else {  // a block of columns: one pitched copy

@@ -486,13 +486,13 @@ void run_duplicated(Backend& backend, Communicator& comm, const NsProblem& probl
   comm.all_gather_in_place(gathered, block_bytes, stream);
 
   // Block r of the gathered buffer is rank r's row-major shard; place it in the matrix.
-  const bool row_blocks = layout.sharded_dim() == 0;
+  const bool contiguous = layout.shards_are_contiguous();
   for (int r = 0; r < comm.size(); ++r) {
     if (sizes[r] == 0) continue;
-    if (row_blocks) {
-      const size_t bytes = sizes[r] * cols * element;
-      backend.copy_2d(matrix + offsets[r] * cols * element, bytes, gathered + r * block_bytes,
-                      bytes, bytes, 1, stream);
+    if (contiguous) {
+      const size_t bytes = layout.local_elements(r) * element;
+      backend.copy_2d(matrix + layout.element_offset(r) * element, bytes,
+                      gathered + r * block_bytes, bytes, bytes, 1, stream);
     } else {
       backend.copy_2d(matrix + offsets[r] * element, cols * element, gathered + r * block_bytes,
                       sizes[r] * element, sizes[r] * element, rows, stream);
@@ -503,9 +503,9 @@ void run_duplicated(Backend& backend, Communicator& comm, const NsProblem& probl
                    scratch.iteration.resolve(scratch.carver), stream);
 
   if (sizes[rank] == 0) return;
-  if (row_blocks) {
-    backend.copy_2d(local_shard, own_bytes, matrix + offsets[rank] * cols * element, own_bytes,
-                    own_bytes, 1, stream);
+  if (contiguous) {
+    backend.copy_2d(local_shard, own_bytes, matrix + layout.element_offset(rank) * element,
+                    own_bytes, own_bytes, 1, stream);
   } else {
     backend.copy_2d(local_shard, sizes[rank] * element, matrix + offsets[rank] * element,
                     cols * element, sizes[rank] * element, rows, stream);
@@ -578,6 +578,8 @@ NsPlan plan_newton_schulz(const ShardLayout& layout, int comm_size,
   if (!layout.is_sharded() || comm_size == 1) return plan;  // nothing to communicate
   NsPlan duplicated;
   duplicated.algorithm = NsPlan::Algorithm::kDuplicated;
+  // Flat shards are not blocks of the long side; the callers reject GRAM_ALLREDUCE for them.
+  if (layout.is_flat()) return duplicated;
   NsPlan gram;
   gram.algorithm = NsPlan::Algorithm::kGramAllReduce;
   gram.redistributes = layout.sharded_dim() != layout.long_dim();
@@ -592,6 +594,14 @@ NsPlan plan_newton_schulz(const ShardLayout& layout, int comm_size,
                  estimate_gram_all_reduce_seconds(inputs, machine)
              ? duplicated
              : gram;
+}
+
+void check_algorithm_fits_layout(shardmuon_ns_algorithm requested, const ShardLayout& layout,
+                                 const std::string& where) {
+  SHARDMUON_CHECK_ARG(!(requested == SHARDMUON_NS_GRAM_ALLREDUCE && layout.is_flat()), where,
+                      ": algorithm GRAM_ALLREDUCE needs shards along dim 0 or 1, and the layout "
+                      "is flat (",
+                      layout.describe(), "); use AUTO, DUPLICATED or, in a step, OWNER");
 }
 
 shardmuon_ns_algorithm reported_algorithm(const NsPlan& plan) {

@@ -5,6 +5,7 @@
 //   (d) shards along the short side moved to long-side blocks by all-to-all, (b), and back.
 #pragma once
 
+#include <string>
 #include <vector>
 
 #include "comm/communicator.h"
@@ -30,6 +31,11 @@ struct NsPlan {
 // (b)/(d) by the cost model (core/ns_cost_model.h). The same on every rank.
 NsPlan plan_newton_schulz(const ShardLayout& layout, int comm_size,
                           shardmuon_ns_algorithm requested, int iterations);
+
+// Throws INVALID_ARGUMENT when the requested algorithm cannot run on the layout (the Gram
+// all-reduce on flat shards); `where` names the arguments in the message.
+void check_algorithm_fits_layout(shardmuon_ns_algorithm requested, const ShardLayout& layout,
+                                 const std::string& where);
 
 // The plan as the C API reports it: LOCAL, DUPLICATED, GRAM_ALLREDUCE or
 // GRAM_ALLREDUCE_REDISTRIBUTED.

@@ -81,7 +81,7 @@ double estimate_duplicated_seconds(const NsCostInputs& inputs, const MachineMode
       iteration_cost(std::min(rows, cols), std::max(rows, cols), machine);
   int64_t largest = 0;
   for (int64_t size : layout.shard_sizes()) largest = std::max(largest, size);
-  const int64_t other_extent = layout.sharded_dim() == 0 ? cols : rows;
+  const int64_t other_extent = layout.is_flat() ? 1 : layout.sharded_dim() == 0 ? cols : rows;
   const double gathered_bytes = static_cast<double>(largest) * static_cast<double>(other_extent) *
                                 machine.element_bytes * (inputs.ranks - 1);
   return machine.seconds_per_collective + gathered_bytes / machine.all_gather_bytes_per_second +

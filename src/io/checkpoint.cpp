@@ -41,18 +41,47 @@ Region intersect(const Region& a, const Region& b) {
   return Region{row0, col0, row1 - row0, col1 - col0};
 }
 
-// The part of the logical matrix a rank's local buffer holds.
-Region local_region(const ShardLayout& layout, int rank) {
-  if (!layout.is_sharded()) return Region{0, 0, layout.rows(), layout.cols()};
+// A rectangle of the logical matrix and where it starts in a rank's local buffer (elements).
+struct PlacedRegion {
+  Region region;
+  int64_t local_offset = 0;
+};
+
+// The parts of the logical matrix a rank's local buffer holds, in the buffer's order: one
+// rectangle, or for a flat shard up to three (the end of a first row, whole rows, the start of
+// a last row).
+std::vector<PlacedRegion> local_regions(const ShardLayout& layout, int rank) {
+  const int64_t rows = layout.rows(), cols = layout.cols();
+  if (!layout.is_sharded()) return {{Region{0, 0, rows, cols}, 0}};
   const int64_t offset = layout.shard_offsets()[rank], size = layout.shard_sizes()[rank];
-  return layout.sharded_dim() == 0 ? Region{offset, 0, size, layout.cols()}
-                                   : Region{0, offset, layout.rows(), size};
+  if (size == 0) return {};
+  if (layout.sharded_dim() == 0) return {{Region{offset, 0, size, cols}, 0}};
+  if (layout.sharded_dim() == 1) return {{Region{0, offset, rows, size}, 0}};
+  std::vector<PlacedRegion> regions;
+  for (int64_t at = offset, end = offset + size; at < end;) {
+    const int64_t row = at / cols, col = at % cols;
+    if (col == 0 && end - at >= cols) {
+      const int64_t whole_rows = (end - at) / cols;
+      regions.push_back({Region{row, 0, whole_rows, cols}, at - offset});
+      at += whole_rows * cols;
+    } else {
+      const int64_t width = std::min(cols - col, end - at);
+      regions.push_back({Region{row, col, 1, width}, at - offset});
+      at += width;
+    }
+  }
+  return regions;
 }
 
-// The piece a rank writes: its shard, or for a replicated matrix, rank 0 the whole.
-Region saved_region(const ShardLayout& layout, int rank) {
-  if (!layout.is_sharded() && rank != 0) return Region{};
-  return local_region(layout, rank);
+// The pieces a rank writes: its shard's, or for a replicated matrix, rank 0 the whole.
+std::vector<PlacedRegion> saved_regions(const ShardLayout& layout, int rank) {
+  if (!layout.is_sharded() && rank != 0) return {};
+  return local_regions(layout, rank);
+}
+
+// The tensor name of a parameter's j-th piece in a rank's file (a flat shard has up to three).
+std::string piece_tensor_name(const std::string& name, size_t j) {
+  return j == 0 ? name : concat(name, "#", j);
 }
 
 const char* safetensors_dtype(shardmuon_dtype dtype) {
@@ -66,8 +95,11 @@ shardmuon_dtype dtype_of(const std::string& name) {
   return SHARDMUON_BFLOAT16;  // read_safetensors_header admits only F64, F32 and BF16
 }
 
+uint32_t crc32_of(const unsigned char* data, size_t size) {
+  return static_cast<uint32_t>(::crc32_z(::crc32_z(0L, Z_NULL, 0), data, size));
+}
 uint32_t crc32_of(const std::vector<unsigned char>& bytes) {
-  return static_cast<uint32_t>(::crc32_z(::crc32_z(0L, Z_NULL, 0), bytes.data(), bytes.size()));
+  return crc32_of(bytes.data(), bytes.size());
 }
 
 std::string rank_file_name(int rank, int ranks, const std::string& token) {
@@ -236,8 +268,8 @@ void save_muon_checkpoint(Backend& backend, Communicator& comm, const std::strin
     std::vector<std::vector<unsigned char>> host(params.plans.size());
     for (size_t i = 0; i < params.plans.size(); ++i) {
       const MuonParamPlan& plan = params.plans[i];
-      const Region piece = saved_region(plan.ns.layout, rank);
-      host[i].resize(piece.elements() * element_size(plan.ns.dtype));
+      if (saved_regions(plan.ns.layout, rank).empty()) continue;
+      host[i].resize(plan.ns.layout.local_elements(rank) * element_size(plan.ns.dtype));
       backend.copy_to_host(host[i].data(), plan.param->momentum, host[i].size(), stream);
     }
     backend.synchronize(stream);
@@ -245,14 +277,18 @@ void save_muon_checkpoint(Backend& backend, Communicator& comm, const std::strin
     json pieces = json::object();
     for (size_t i = 0; i < params.plans.size(); ++i) {
       const MuonParamPlan& plan = params.plans[i];
-      const Region piece = saved_region(plan.ns.layout, rank);
-      if (piece.elements() == 0) continue;
-      tensors.push_back({names[i],
-                         safetensors_dtype(plan.ns.dtype),
-                         {piece.rows, piece.cols},
-                         host[i].data(),
-                         host[i].size()});
-      pieces[names[i]] = {{"row0", piece.row0}, {"col0", piece.col0}, {"crc32", crc32_of(host[i])}};
+      const size_t element = element_size(plan.ns.dtype);
+      const std::vector<PlacedRegion> regions = saved_regions(plan.ns.layout, rank);
+      for (size_t j = 0; j < regions.size(); ++j) {
+        const Region& piece = regions[j].region;
+        const unsigned char* data = host[i].data() + regions[j].local_offset * element;
+        const size_t bytes = piece.elements() * element;
+        const std::string tensor = piece_tensor_name(names[i], j);
+        tensors.push_back(
+            {tensor, safetensors_dtype(plan.ns.dtype), {piece.rows, piece.cols}, data, bytes});
+        pieces[tensor] = {
+            {"row0", piece.row0}, {"col0", piece.col0}, {"crc32", crc32_of(data, bytes)}};
+      }
     }
     const std::map<std::string, std::string> metadata = {{"format", kFormat},
                                                          {"version", std::to_string(kVersion)},
@@ -278,13 +314,17 @@ void save_muon_checkpoint(Backend& backend, Communicator& comm, const std::strin
       const ShardLayout& layout = params.plans[i].ns.layout;
       json pieces = json::array();
       for (int r = 0; r < ranks; ++r) {
-        const Region piece = saved_region(layout, r);
-        if (piece.elements() == 0) continue;
-        pieces.push_back({{"file", rank_file_name(r, ranks, token)},
-                          {"row0", piece.row0},
-                          {"col0", piece.col0},
-                          {"rows", piece.rows},
-                          {"cols", piece.cols}});
+        const std::vector<PlacedRegion> regions = saved_regions(layout, r);
+        for (size_t j = 0; j < regions.size(); ++j) {
+          const Region& piece = regions[j].region;
+          json entry = {{"file", rank_file_name(r, ranks, token)},
+                        {"row0", piece.row0},
+                        {"col0", piece.col0},
+                        {"rows", piece.rows},
+                        {"cols", piece.cols}};
+          if (j > 0) entry["tensor"] = piece_tensor_name(names[i], j);
+          pieces.push_back(entry);
+        }
       }
       index["params"][names[i]] = {{"rows", layout.rows()},
                                    {"cols", layout.cols()},
@@ -354,17 +394,22 @@ void load_muon_checkpoint(Backend& backend, Communicator& comm, const std::strin
                           "params[", i, "] \"", name, "\" was saved as ",
                           saved.at("rows").get<int64_t>(), " x ", saved.at("cols").get<int64_t>(),
                           " but its layout now says ", layout.rows(), " x ", layout.cols());
-      const Region target = local_region(layout, rank);
-      if (target.elements() == 0) continue;
-      staged[i].resize(target.elements() * element_size(plan.ns.dtype));
+      const std::vector<PlacedRegion> targets = local_regions(layout, rank);
+      const int64_t needed = layout.local_elements(rank);
+      if (needed == 0) continue;
+      staged[i].resize(needed * element_size(plan.ns.dtype));
       int64_t covered = 0;
       for (const json& piece_json : saved.at("pieces")) {
         const Region piece{
             piece_json.at("row0").get<int64_t>(), piece_json.at("col0").get<int64_t>(),
             piece_json.at("rows").get<int64_t>(), piece_json.at("cols").get<int64_t>()};
-        const Region overlap = intersect(piece, target);
-        if (overlap.elements() == 0) continue;
+        bool overlaps = false;
+        for (const PlacedRegion& target : targets) {
+          overlaps = overlaps || intersect(piece, target.region).elements() > 0;
+        }
+        if (!overlaps) continue;
         const std::string file = piece_json.at("file").get<std::string>();
+        const std::string tensor = piece_json.value("tensor", name);
         SHARDMUON_CHECK_ARG(file.find('/') == std::string::npos,
                             "the checkpoint index names a file "
                             "outside its directory: ",
@@ -379,37 +424,43 @@ void load_muon_checkpoint(Backend& backend, Communicator& comm, const std::strin
           cached = headers.emplace(path, std::move(header)).first;
         }
         const SafetensorsHeader& header = cached->second;
-        const SafetensorsEntry* entry = header.find(name);
+        const SafetensorsEntry* entry = header.find(tensor);
         SHARDMUON_CHECK_ARG(entry != nullptr && entry->shape.size() == 2 &&
                                 entry->shape[0] == piece.rows && entry->shape[1] == piece.cols,
                             "checkpoint file ", path, " lacks the ", piece.rows, " x ", piece.cols,
-                            " piece of \"", name, "\" that the index lists");
+                            " piece \"", tensor, "\" of \"", name, "\" that the index lists");
         const json file_pieces = json::parse(header.metadata.at("pieces"));
-        const json& recorded = file_pieces.at(name);
+        SHARDMUON_CHECK_ARG(file_pieces.contains(tensor), "checkpoint file ", path,
+                            " records no piece \"", tensor, "\"");
+        const json& recorded = file_pieces.at(tensor);
         SHARDMUON_CHECK_ARG(recorded.at("row0").get<int64_t>() == piece.row0 &&
                                 recorded.at("col0").get<int64_t>() == piece.col0,
-                            "checkpoint file ", path, " places \"", name,
+                            "checkpoint file ", path, " places \"", tensor,
                             "\" elsewhere than the index");
         const std::vector<unsigned char> bytes = read_safetensors_tensor(path, header, *entry);
         const shardmuon_dtype saved_dtype = dtype_of(entry->dtype);
         SHARDMUON_CHECK_ARG(crc32_of(bytes) == recorded.at("crc32").get<uint32_t>(),
-                            "checkpoint file ", path, " is corrupted: the CRC-32 of \"", name,
+                            "checkpoint file ", path, " is corrupted: the CRC-32 of \"", tensor,
                             "\" does not match the one recorded when it was written");
-        for (int64_t r = 0; r < overlap.rows; ++r) {
-          for (int64_t c = 0; c < overlap.cols; ++c) {
-            const int64_t source =
-                (overlap.row0 - piece.row0 + r) * piece.cols + (overlap.col0 - piece.col0 + c);
-            const int64_t destination =
-                (overlap.row0 - target.row0 + r) * target.cols + (overlap.col0 - target.col0 + c);
-            store_element(staged[i].data(), plan.ns.dtype, destination,
-                          load_element(bytes.data(), saved_dtype, source));
+        for (const PlacedRegion& target : targets) {
+          const Region overlap = intersect(piece, target.region);
+          const Region& t = target.region;
+          for (int64_t r = 0; r < overlap.rows; ++r) {
+            for (int64_t c = 0; c < overlap.cols; ++c) {
+              const int64_t source =
+                  (overlap.row0 - piece.row0 + r) * piece.cols + (overlap.col0 - piece.col0 + c);
+              const int64_t destination = target.local_offset +
+                                          (overlap.row0 - t.row0 + r) * t.cols +
+                                          (overlap.col0 - t.col0 + c);
+              store_element(staged[i].data(), plan.ns.dtype, destination,
+                            load_element(bytes.data(), saved_dtype, source));
+            }
           }
+          covered += overlap.elements();
         }
-        covered += overlap.elements();
       }
-      SHARDMUON_CHECK_ARG(covered == target.elements(), "the checkpoint's pieces of \"", name,
-                          "\" cover ", covered, " of the ", target.elements(),
-                          " elements this rank needs");
+      SHARDMUON_CHECK_ARG(covered == needed, "the checkpoint's pieces of \"", name, "\" cover ",
+                          covered, " of the ", needed, " elements this rank needs");
     }
   });
   agree_across_ranks(comm, failure, 0, "",

@@ -38,7 +38,7 @@ NsRun run_newton_schulz(const Group& group, const Matrix& input, shardmuon_dtype
                         shardmuon_partition partition, const std::vector<int64_t>& sizes,
                         const shardmuon_ns_options& options) {
   const Harness& harness = Harness::get();
-  const int64_t extent = partition == SHARDMUON_SHARDED_DIM0 ? input.rows : input.cols;
+  const int64_t extent = sharded_extent(input.rows, input.cols, partition);
   const std::vector<int64_t> actual_sizes =
       sizes.empty() ? balanced_sizes(extent, group.size) : sizes;
   NsRun run;

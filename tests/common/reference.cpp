@@ -304,13 +304,21 @@ std::vector<int64_t> last_holds_all(int64_t extent, int parts) {
   return sizes;
 }
 
+int64_t sharded_extent(int64_t rows, int64_t cols, shardmuon_partition partition) {
+  return partition == SHARDMUON_SHARDED_DIM0   ? rows
+         : partition == SHARDMUON_SHARDED_FLAT ? rows * cols
+                                               : cols;
+}
+
 std::vector<double> extract_shard(const Matrix& m, shardmuon_partition partition,
                                   const std::vector<int64_t>& sizes, int rank) {
   if (partition == SHARDMUON_REPLICATED) return m.values;
   int64_t offset = 0;
   for (int r = 0; r < rank; ++r) offset += sizes[r];
   std::vector<double> shard;
-  if (partition == SHARDMUON_SHARDED_DIM0) {
+  if (partition == SHARDMUON_SHARDED_FLAT) {
+    shard.assign(m.values.begin() + offset, m.values.begin() + offset + sizes[rank]);
+  } else if (partition == SHARDMUON_SHARDED_DIM0) {
     for (int64_t r = offset; r < offset + sizes[rank]; ++r)
       for (int64_t c = 0; c < m.cols; ++c) shard.push_back(m.at(r, c));
   } else {

@@ -93,6 +93,10 @@ std::vector<int64_t> uneven_sizes(int64_t extent,
 std::vector<int64_t> last_holds_all(int64_t extent, int parts);  // every shard empty but the last
 
 // The row-major local shard of rank `rank` (partition as in shardmuon_layout).
+// The extent the shard sizes of a partition count: rows (DIM0), cols (DIM1), or elements
+// (FLAT).
+int64_t sharded_extent(int64_t rows, int64_t cols, shardmuon_partition partition);
+
 std::vector<double> extract_shard(const Matrix& m, shardmuon_partition partition,
                                   const std::vector<int64_t>& sizes, int rank);
 

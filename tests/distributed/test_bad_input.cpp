@@ -148,6 +148,20 @@ const std::vector<BadCase>& bad_cases() {
        SHARDMUON_ERROR_INVALID_ARGUMENT, "layout->rows must be >= 1, got 0"},
       {"unknown partition", [](Call& c) { c.partition = out_of_range<shardmuon_partition>(5); },
        SHARDMUON_ERROR_INVALID_ARGUMENT, "layout->partition is unknown: 5"},
+      {"flat shards under the Gram all-reduce",
+       [](Call& c) {
+         c.partition = SHARDMUON_SHARDED_FLAT;
+         c.sizes = uneven_sizes(c.input.rows * c.input.cols, static_cast<int>(c.sizes.size()));
+         c.options.algorithm = SHARDMUON_NS_GRAM_ALLREDUCE;
+       },
+       SHARDMUON_ERROR_INVALID_ARGUMENT,
+       "options->algorithm, layout: algorithm GRAM_ALLREDUCE needs shards along dim 0 or 1"},
+      {"flat shard sizes do not add up",
+       [](Call& c) {
+         c.partition = SHARDMUON_SHARDED_FLAT;
+         c.sizes = uneven_sizes(c.input.rows * c.input.cols - 1, static_cast<int>(c.sizes.size()));
+       },
+       SHARDMUON_ERROR_INVALID_ARGUMENT, "but the sharded elements number"},
       {"shard sizes do not add up", [](Call& c) { c.sizes.front() -= 1; },
        SHARDMUON_ERROR_INVALID_ARGUMENT,
        "layout->shard_sizes add up to 40, but the sharded cols number 41"},

@@ -54,13 +54,16 @@ struct State {
       p.name = param_names[i];
       p.dtype = dtypes[i];
       p.momentum = rounded_to(random_gaussian(shapes[i][0], shapes[i][1], 40 + i), p.dtype);
-      // kind 0: dim 1, uneven; kind 1: dim 0, balanced; kind 2: replicated.
-      const int kind = (layout_kind + i) % 3;
+      // kind 0: dim 1, uneven; kind 1: dim 0, balanced; kind 2: replicated; kind 3: flat,
+      // uneven (element ranges that start and end inside rows).
+      const int kind = (layout_kind + i) % 4;
       p.partition = kind == 0   ? SHARDMUON_SHARDED_DIM1
                     : kind == 1 ? SHARDMUON_SHARDED_DIM0
-                                : SHARDMUON_REPLICATED;
+                    : kind == 2 ? SHARDMUON_REPLICATED
+                                : SHARDMUON_SHARDED_FLAT;
       if (kind == 0) p.sizes = uneven_sizes(shapes[i][1], group.size);
       if (kind == 1) p.sizes = balanced_sizes(shapes[i][0], group.size);
+      if (kind == 3) p.sizes = uneven_sizes(shapes[i][0] * shapes[i][1], group.size);
       std::vector<double> shard = extract_shard(p.momentum, p.partition, p.sizes, group.rank);
       p.param_buffer = Harness::get().upload(to_bytes(shard, p.dtype));
       if (zero_momentum) shard.assign(shard.size(), 0.0);
@@ -135,14 +138,15 @@ class Checkpoint : public DistributedTest {
   std::string directory_;
 };
 
-// Saved on the largest group up to 2 ranks; loaded on every group size (1..4 on the CPU),
-// each time with other layouts, and compared with the logical momentum.
+// Saved on the largest group up to 2 ranks (flat, dim 1 and dim 0 shards); loaded on every
+// group size (1..4 on the CPU), each time with other layouts, and compared with the logical
+// momentum.
 TEST_F(Checkpoint, LoadsOnAnyNumberOfRanksAndLayouts) {
   ASSERT_FALSE(directory_.empty());
   const int saver_size = std::min(2, Harness::get().max_group_size());
   const Group& saver = Harness::get().group(saver_size);
   if (saver.member) {
-    State state(saver, 0, false);
+    State state(saver, 3, false);
     const shardmuon_muon_group hyper = some_group(0.0123);
     ASSERT_EQ(save(saver, state, directory_, hyper, 17), SHARDMUON_SUCCESS)
         << shardmuon_last_error();
@@ -151,7 +155,7 @@ TEST_F(Checkpoint, LoadsOnAnyNumberOfRanksAndLayouts) {
   for (int p = 1; p <= Harness::get().max_group_size(); ++p) {
     const Group& group = Harness::get().group(p);
     if (!group.member) continue;
-    for (int layout_kind = 1; layout_kind <= 2; ++layout_kind) {
+    for (int layout_kind = 0; layout_kind <= 2; ++layout_kind) {
       State state(group, layout_kind, /*zero_momentum=*/true);
       shardmuon_muon_group hyper;
       shardmuon_muon_group_default(&hyper);

@@ -44,7 +44,7 @@ Parameter make_parameter(int64_t rows, int64_t cols, shardmuon_dtype dtype,
   p.dtype = dtype;
   p.partition = partition;
   if (partition != SHARDMUON_REPLICATED) {
-    const int64_t extent = partition == SHARDMUON_SHARDED_DIM0 ? rows : cols;
+    const int64_t extent = sharded_extent(rows, cols, partition);
     p.sizes = balanced ? balanced_sizes(extent, parts) : uneven_sizes(extent, parts);
   }
   p.w = random_gaussian(rows, cols, seed);
@@ -332,6 +332,60 @@ TEST_F(MuonStepBatches, StackedMatricesAreOrthogonalizedOneByOne) {
           group, run, 2,
           "stacked, algorithm " + std::to_string(algorithm) + " P=" + std::to_string(p));
     }
+  }
+}
+
+// Data-parallel (ZeRO / distributed-optimizer) shards: every rank holds a range of each
+// matrix's row-major elements, starting and ending inside rows, one rank empty from P = 3 on
+// (uneven_sizes), among them a stacked parameter whose blocks straddle ranks; mixed with a
+// dim-1 parameter. Under AUTO (owners), OWNER, DUPLICATED and GRAM_NEWTON_SCHULZ against the
+// oracle; GRAM_ALLREDUCE, which needs blocks of rows or columns, is refused on every rank
+// before anything is written.
+TEST_F(MuonStepBatches, FlatShardsMatchTheReference) {
+  for (int p = 1; p <= Harness::get().max_group_size(); ++p) {
+    const Group& group = Harness::get().group(p);
+    if (!group.member) continue;
+    for (const shardmuon_ns_algorithm algorithm :
+         {SHARDMUON_NS_AUTO, SHARDMUON_NS_OWNER, SHARDMUON_NS_DUPLICATED,
+          SHARDMUON_NS_GRAM_NEWTON_SCHULZ}) {
+      std::vector<Parameter> params;
+      params.push_back(make_parameter(37, 53, SHARDMUON_FLOAT32, SHARDMUON_SHARDED_FLAT, p, 41, 2));
+      params.push_back(
+          make_parameter(64, 17, SHARDMUON_BFLOAT16, SHARDMUON_SHARDED_FLAT, p, 42, 2));
+      params.push_back(make_parameter(1, 40, SHARDMUON_FLOAT32, SHARDMUON_SHARDED_FLAT, p, 43, 2));
+      params.push_back(make_parameter(30, 16, SHARDMUON_FLOAT32, SHARDMUON_SHARDED_FLAT, p, 44, 2));
+      params.push_back(make_parameter(23, 41, SHARDMUON_FLOAT32, SHARDMUON_SHARDED_DIM1, p, 45, 2));
+      params[3].row_blocks = 6;  // 6 stacked 5 x 16 matrices over the element ranges
+      StepRun run{params, {ReferenceGroup{}}, {SHARDMUON_SCHEDULE_QUINTIC}, {5}};
+      run.algorithm = algorithm;
+      run_and_compare(group, run, 2,
+                      "flat, algorithm " + std::to_string(algorithm) + " P=" + std::to_string(p));
+    }
+    Parameter flat = make_parameter(12, 10, SHARDMUON_FLOAT32, SHARDMUON_SHARDED_FLAT, p, 46, 1);
+    const std::vector<unsigned char> w = to_bytes(flat.shard(flat.w, group.rank), flat.dtype);
+    const std::vector<unsigned char> m = to_bytes(flat.shard(flat.m, group.rank), flat.dtype);
+    flat.w_buffer = Harness::get().upload(w);
+    flat.m_buffer = Harness::get().upload(m);
+    flat.g_buffer =
+        Harness::get().upload(to_bytes(flat.shard(flat.grads[0], group.rank), flat.dtype));
+    shardmuon_muon_param api{};
+    api.param = flat.w_buffer.data();
+    api.grad = flat.g_buffer.data();
+    api.momentum = flat.m_buffer.data();
+    api.dtype = flat.dtype;
+    api.layout = flat.layout(group.size);
+    shardmuon_muon_group g = to_api(ReferenceGroup{}, SHARDMUON_SCHEDULE_QUINTIC, 5);
+    g.ns.algorithm = SHARDMUON_NS_GRAM_ALLREDUCE;
+    const shardmuon_status status = shardmuon_muon_step(Harness::get().context(), group.comm, &api,
+                                                        1, &g, 1, Harness::get().stream());
+    const std::string error = shardmuon_last_error();
+    EXPECT_TRUE(group_all(status == SHARDMUON_ERROR_INVALID_ARGUMENT, group.mpi)) << error;
+    EXPECT_NE(error.find("groups[0].ns.algorithm, params[0].layout: algorithm GRAM_ALLREDUCE "
+                         "needs shards along dim 0 or 1"),
+              std::string::npos)
+        << error;
+    EXPECT_EQ(Harness::get().download(flat.w_buffer), w);
+    EXPECT_EQ(Harness::get().download(flat.m_buffer), m);
   }
 }
 

@@ -44,6 +44,7 @@ std::string shape_key(const Shape& shape, shardmuon_dtype dtype, const std::stri
 const char* partition_label(shardmuon_partition partition) {
   return partition == SHARDMUON_REPLICATED     ? "replicated"
          : partition == SHARDMUON_SHARDED_DIM0 ? "dim0"
+         : partition == SHARDMUON_SHARDED_FLAT ? "flat"
                                                : "dim1";
 }
 
@@ -98,13 +99,22 @@ std::vector<LayoutCase> layout_cases() {
       for (int p = 1; p <= 4; ++p) {
         cases.push_back(
             {shape, SHARDMUON_REPLICATED, p, ShardPattern::kBalanced, SHARDMUON_NS_AUTO, dtype});
-        for (shardmuon_partition partition : {SHARDMUON_SHARDED_DIM0, SHARDMUON_SHARDED_DIM1}) {
+        for (shardmuon_partition partition :
+             {SHARDMUON_SHARDED_DIM0, SHARDMUON_SHARDED_DIM1, SHARDMUON_SHARDED_FLAT}) {
           for (ShardPattern pattern :
                {ShardPattern::kBalanced, ShardPattern::kUneven, ShardPattern::kLastHoldsAll}) {
             if (p == 1 && pattern != ShardPattern::kBalanced) continue;  // all the same at P = 1
             for (shardmuon_ns_algorithm algorithm :
                  {SHARDMUON_NS_AUTO, SHARDMUON_NS_DUPLICATED, SHARDMUON_NS_GRAM_ALLREDUCE,
                   SHARDMUON_NS_GRAM_NEWTON_SCHULZ}) {
+              // Flat shards (element ranges that start and end inside rows) are gathered:
+              // AUTO and DUPLICATED are the same plan, and the Gram all-reduce is refused
+              // (BadInput checks the message).
+              const bool flat = partition == SHARDMUON_SHARDED_FLAT;
+              if (flat && (algorithm == SHARDMUON_NS_DUPLICATED ||
+                           algorithm == SHARDMUON_NS_GRAM_ALLREDUCE)) {
+                continue;
+              }
               cases.push_back({shape, partition, p, pattern, algorithm, dtype});
             }
           }
@@ -135,7 +145,7 @@ TEST_P(NewtonSchulzLayouts, MatchesGatheredReference) {
   const auto coefficients = coefficients_for(SHARDMUON_SCHEDULE_QUINTIC, 5);
   const std::string key = shape_key(c.shape, c.dtype, "quintic5");
   const Matrix& reference = cached_reference(key, input, coefficients, kEps);
-  const int64_t extent = c.partition == SHARDMUON_SHARDED_DIM0 ? c.shape.rows : c.shape.cols;
+  const int64_t extent = sharded_extent(c.shape.rows, c.shape.cols, c.partition);
   const std::vector<int64_t> sizes = pattern_sizes(c.pattern, extent, c.group_size);
 
   const NsRun run = run_newton_schulz(group, input, c.dtype, c.partition, sizes,
@@ -237,7 +247,7 @@ TEST_P(NewtonSchulzSchedules, MatchesGatheredReference) {
   }
   const std::string key = shape_key(shape, c.dtype, schedule_case_name({c, 0}));
   const Matrix& reference = cached_reference(key, input, coefficients, kEps);
-  const int64_t extent = c.partition == SHARDMUON_SHARDED_DIM0 ? shape.rows : shape.cols;
+  const int64_t extent = sharded_extent(shape.rows, shape.cols, c.partition);
   const std::vector<int64_t> sizes = uneven_sizes(extent, c.group_size);
 
   const NsRun run = run_newton_schulz(group, input, c.dtype, c.partition, sizes, options);
@@ -328,7 +338,7 @@ TEST_F(NewtonSchulzInvariants, ResultDoesNotDependOnGroupSizeOrShards) {
         const Group& group = Harness::get().group(p);
         if (!group.member) continue;
         for (shardmuon_partition partition : {SHARDMUON_SHARDED_DIM0, SHARDMUON_SHARDED_DIM1}) {
-          const int64_t extent = partition == SHARDMUON_SHARDED_DIM0 ? shape.rows : shape.cols;
+          const int64_t extent = sharded_extent(shape.rows, shape.cols, partition);
           for (ShardPattern pattern : {ShardPattern::kUneven, ShardPattern::kLastHoldsAll}) {
             const std::vector<int64_t> sizes = pattern_sizes(pattern, extent, p);
             const NsRun run = run_newton_schulz(group, input, dtype, partition, sizes, options);
@@ -381,7 +391,7 @@ TEST_F(NewtonSchulzInvariants, PolarExpressOrthogonalizes) {
       const Matrix input =
           rounded_to(random_with_singular_values(shape.rows, shape.cols, 0.1, 0.9, 7), dtype);
       for (shardmuon_partition partition : {SHARDMUON_SHARDED_DIM0, SHARDMUON_SHARDED_DIM1}) {
-        const int64_t extent = partition == SHARDMUON_SHARDED_DIM0 ? shape.rows : shape.cols;
+        const int64_t extent = sharded_extent(shape.rows, shape.cols, partition);
         const std::vector<int64_t> sizes = uneven_sizes(extent, p);
         const NsRun run = run_newton_schulz(group, input, dtype, partition, sizes, options);
         ASSERT_TRUE(all_succeeded(run, group)) << run.error;
@@ -496,7 +506,7 @@ TEST_F(NewtonSchulzInvariants, MultiBlockProductsOnTheGpuMatchTheOracle) {
       for (const shardmuon_partition partition : {SHARDMUON_SHARDED_DIM0, SHARDMUON_SHARDED_DIM1}) {
         for (const shardmuon_ns_algorithm algorithm :
              {SHARDMUON_NS_AUTO, SHARDMUON_NS_GRAM_ALLREDUCE, SHARDMUON_NS_GRAM_NEWTON_SCHULZ}) {
-          const int64_t extent = partition == SHARDMUON_SHARDED_DIM0 ? shape.rows : shape.cols;
+          const int64_t extent = sharded_extent(shape.rows, shape.cols, partition);
           const std::vector<int64_t> sizes = pattern_sizes(ShardPattern::kUneven, extent, p);
           const NsRun run =
               run_newton_schulz(group, input, dtype, partition, sizes,
