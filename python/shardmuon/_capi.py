@@ -17,7 +17,7 @@ from pathlib import Path
 SUCCESS = 0
 FLOAT32, BFLOAT16, FLOAT64 = 0, 1, 2
 BACKEND_CPU, BACKEND_CUDA = 0, 1
-REPLICATED, SHARDED_DIM0, SHARDED_DIM1 = 0, 1, 2
+REPLICATED, SHARDED_DIM0, SHARDED_DIM1, SHARDED_FLAT = 0, 1, 2, 3
 SCHEDULES = {"simple": 0, "quintic": 1, "polar_express": 2, "cans": 3, "aol": 4, "custom": 5}
 ALGORITHMS = {"auto": 0, "duplicated": 1, "gram_allreduce": 2, "owner": 3, "gram_newton_schulz": 4}
 # What shardmuon_ns_plan reports besides ALGORITHMS' codes.

@@ -81,8 +81,9 @@ def _check_hyperparameters(group: Dict[str, Any], where: str) -> None:
                          f"(one of {sorted(c.WEIGHT_DECAY_MODES)})")
     if group["algorithm"] not in c.ALGORITHMS:
         raise ValueError(f"{where}: unknown algorithm {group['algorithm']!r} (one of {sorted(c.ALGORITHMS)})")
-    if group["partition_dim"] not in (None, -1, 0, 1):
-        raise ValueError(f"{where}: partition_dim must be 0, 1 or -1 (replicated), got {group['partition_dim']}")
+    if group["partition_dim"] not in (None, -1, 0, 1, "flat"):
+        raise ValueError(f"{where}: partition_dim must be 0, 1, -1 (replicated) or \"flat\", got "
+                         f"{group['partition_dim']!r}")
 
 
 def _weight_decay_mode(group: Dict[str, Any]) -> str:
@@ -156,7 +157,8 @@ class Muon(torch.optim.Optimizer):
         """(index, group) of the groups this class steps (MuonWithAdamW leaves out the others)."""
         return list(enumerate(self.param_groups))
 
-    def _partition_dim(self, param, group, name: str) -> Optional[int]:
+    def _partition_dim(self, param, group, name: str):
+        """0, 1, "flat", or None (replicated) for the matrix the library sees."""
         attribute = getattr(param, "partition_dim", None)
         if getattr(param, "tensor_model_parallel", None) is False:
             attribute = -1  # Megatron: not tensor-parallel
@@ -166,6 +168,13 @@ class Muon(torch.optim.Optimizer):
                 raise ValueError(f"{name}: its partition_dim attribute is {attribute} but its group "
                                  f"says {chosen}")
             chosen = attribute
+        if chosen == "flat":
+            # ZeRO / distributed-optimizer sharding: this rank holds a range of the row-major
+            # elements of a muon_shape matrix, as a 1D tensor.
+            if param.ndim != 1 or getattr(param, "muon_shape", None) is None:
+                raise ValueError(f"{name}: a flat shard is a 1D tensor of a range of the matrix's "
+                                 "row-major elements, with a muon_shape = (rows, cols) attribute")
+            return "flat"
         if param.ndim == 3:
             # Experts x rows x cols: each rank holds every expert's rows and a block of columns
             # (partition_dim 2), or everything (-1); the library sees the (E rows) x cols stack.
@@ -174,12 +183,14 @@ class Muon(torch.optim.Optimizer):
                                  f"2 (columns split) or -1 (replicated), got {chosen}")
             chosen = 1 if chosen == 2 else chosen
         elif chosen not in (None, -1, 0, 1):
-            raise ValueError(f"{name}: partition_dim must be 0, 1 or -1 (replicated), got {chosen}")
+            raise ValueError(f"{name}: partition_dim must be 0, 1, -1 (replicated) or \"flat\", "
+                             f"got {chosen!r}")
         if chosen is None and group_size(self.process_group) > 1:
             raise ValueError(
                 f"{name}: tell how it is split over the process_group of "
                 f"{group_size(self.process_group)} ranks: a partition_dim attribute or group "
-                "option of 0 (rows split), 1 (columns split) or -1 (replicated)")
+                "option of 0 (rows split), 1 (columns split), -1 (replicated) or \"flat\" (a "
+                "range of the row-major elements, ZeRO style)")
         return None if chosen in (None, -1) else chosen
 
     def _runtime(self, device: torch.device):
@@ -194,9 +205,9 @@ class Muon(torch.optim.Optimizer):
         missing = [e for e in entries if e["dim"] is not None and id(e["param"]) not in self._shard_sizes]
         if not missing or group_size(self.process_group) == 1:
             for e in missing:
-                self._shard_sizes[id(e["param"])] = [e["shape"][e["dim"]]]
+                self._shard_sizes[id(e["param"])] = [e["extent"]]
             return
-        local = torch.tensor([e["shape"][e["dim"]] for e in missing], dtype=torch.int64,
+        local = torch.tensor([e["extent"] for e in missing], dtype=torch.int64,
                              device=device if device.type == "cuda" else "cpu")
         gathered = [torch.empty_like(local) for _ in range(group_size(self.process_group))]
         dist.all_gather(gathered, local, group=self.process_group)
@@ -209,10 +220,11 @@ class Muon(torch.optim.Optimizer):
         for group_index, group in self._muon_groups():
             for index, param in enumerate(group["params"]):
                 name = self._name(param, group_index, index)
-                if param.ndim not in (2, 3):
+                flat = "flat" in (getattr(param, "partition_dim", None), group["partition_dim"])
+                if param.ndim not in (2, 3) and not flat:
                     raise ValueError(f"{name}: Muon takes 2D parameters, or 3D ones (experts x rows x "
-                                     "cols, each expert on its own); train this one with AdamW "
-                                     "(see MuonWithAdamW)")
+                                     "cols, each expert on its own), or flat shards (partition_dim "
+                                     "\"flat\"); train this one with AdamW (see MuonWithAdamW)")
                 if param.dtype not in _DTYPES or (param.dtype == torch.float64 and param.is_cuda):
                     raise TypeError(f"{name}: Muon takes float32 or bfloat16 parameters (float64 on "
                                     f"the CPU), got {param.dtype}")
@@ -231,12 +243,18 @@ class Muon(torch.optim.Optimizer):
                 # The matrix the library sees, and how many matrices are stacked in its rows:
                 # the experts of a 3D parameter, or a fused weight's parts (muon_row_blocks,
                 # e.g. the heads of QKV or the gate and up halves).
+                dim = self._partition_dim(param, group, name)
                 if param.ndim == 3:
                     shape, row_blocks = (param.shape[0] * param.shape[1], param.shape[2]), param.shape[0]
+                elif dim == "flat":
+                    shape = tuple(int(x) for x in param.muon_shape)
+                    row_blocks = int(getattr(param, "muon_row_blocks", 1))
                 else:
                     shape, row_blocks = tuple(param.shape), int(getattr(param, "muon_row_blocks", 1))
+                # This rank's extent along the split: rows or columns, or elements when flat.
+                extent = None if dim is None else param.numel() if dim == "flat" else shape[dim]
                 entries.append({"param": param, "grad": grad, "group": group_index, "name": name,
-                                "dim": self._partition_dim(param, group, name), "shape": shape,
+                                "dim": dim, "shape": shape, "extent": extent,
                                 "row_blocks": row_blocks})
         return entries
 
@@ -318,14 +336,22 @@ class Muon(torch.optim.Optimizer):
             rows, cols = e["shape"]
             p.row_blocks = e["row_blocks"]
             if e["dim"] is None or group_size(self.process_group) == 1:
+                if param.numel() != rows * cols:  # a flat shard on one rank is the whole matrix
+                    raise ValueError(f"{e['name']}: holds {param.numel()} elements, not the "
+                                     f"{rows} x {cols} of its muon_shape")
                 p.layout = c.Layout(rows, cols, c.REPLICATED, 1, None)
             else:
                 sizes = self._shard_sizes[id(param)]
-                if sizes[rank] != e["shape"][e["dim"]]:
+                if sizes[rank] != e["extent"]:
                     raise ValueError(f"{e['name']}: its shard changed size since the first step")
                 array = (ctypes.c_int64 * len(sizes))(*sizes)
                 keepalive.append(array)
-                if e["dim"] == 0:
+                if e["dim"] == "flat":
+                    if sum(sizes) != rows * cols:
+                        raise ValueError(f"{e['name']}: the ranks' flat shards hold {sum(sizes)} "
+                                         f"elements in all, not the {rows} x {cols} of its muon_shape")
+                    p.layout = c.Layout(rows, cols, c.SHARDED_FLAT, len(sizes), array)
+                elif e["dim"] == 0:
                     p.layout = c.Layout(sum(sizes), cols, c.SHARDED_DIM0, len(sizes), array)
                 else:
                     p.layout = c.Layout(rows, sum(sizes), c.SHARDED_DIM1, len(sizes), array)
@@ -422,10 +448,11 @@ def load_resharded_state_dict(optimizer: Muon, state_dicts: Sequence[Dict[str, A
             if getattr(param, "tensor_model_parallel", None) is False:
                 attribute = -1
             dim = attribute if attribute is not None else group.get("partition_dim")
-            # dim is the tensor's (2 for a 3D parameter's columns); its extent there is the
-            # shard size the step records.
-            entries.append({"param": param, "dim": None if dim in (None, -1) else dim,
-                            "shape": tuple(param.shape)})
+            # dim is the tensor's (2 for a 3D parameter's columns; a flat shard is a 1D tensor,
+            # cut along its only dim); its extent there is the shard size the step records.
+            dim = None if dim in (None, -1) else 0 if dim == "flat" else dim
+            entries.append({"param": param, "dim": dim, "shape": tuple(param.shape),
+                            "extent": None if dim is None else param.shape[dim]})
     device = next((e["param"].device for e in entries), torch.device("cpu"))
     optimizer._gather_shard_sizes([e for e in entries if e["dim"] is not None], device)
     rank = group_rank(optimizer.process_group)
@@ -489,16 +516,17 @@ class NewtonSchulz:
     def _layout(self, shape, partition_dim, shard_sizes, keepalive):
         rows, cols = (int(x) for x in shape)
         size = group_size(self.process_group)
-        if partition_dim not in (0, 1, None):
-            raise ValueError(f"shardmuon: partition_dim must be 0, 1 or None, got {partition_dim!r}")
+        if partition_dim not in (0, 1, None, "flat"):
+            raise ValueError(f"shardmuon: partition_dim must be 0, 1, \"flat\" or None, got "
+                             f"{partition_dim!r}")
         if partition_dim is None or size == 1:
             return c.Layout(rows, cols, c.REPLICATED, 1, None)
-        extent = (rows, cols)[partition_dim]
+        extent = rows * cols if partition_dim == "flat" else (rows, cols)[partition_dim]
         if shard_sizes is None:
             shard_sizes = [extent // size + (1 if r < extent % size else 0) for r in range(size)]
         array = (ctypes.c_int64 * len(shard_sizes))(*[int(x) for x in shard_sizes])
         keepalive.append(array)
-        kind = c.SHARDED_DIM0 if partition_dim == 0 else c.SHARDED_DIM1
+        kind = {0: c.SHARDED_DIM0, 1: c.SHARDED_DIM1, "flat": c.SHARDED_FLAT}[partition_dim]
         return c.Layout(rows, cols, kind, len(shard_sizes), array)
 
     def plan(self, shape, partition_dim=None, shard_sizes=None) -> str:
@@ -537,9 +565,11 @@ class NewtonSchulz:
                 raise ValueError(f"shardmuon: shard_sizes has {layout.num_shards} entries for a group of "
                                  f"{group_size(self.process_group)} ranks")
             expected[dim] = layout.shard_sizes[group_rank(self.process_group)]
+            if layout.partition == c.SHARDED_FLAT:  # a range of the row-major elements
+                expected = [layout.shard_sizes[group_rank(self.process_group)]]
         if list(shard.shape) != expected:
             raise ValueError(f"shardmuon: this rank's shard of the {layout.rows} x {layout.cols} matrix "
-                             f"must be {expected[0]} x {expected[1]}, got {tuple(shard.shape)}")
+                             f"must be {' x '.join(map(str, expected))}, got {tuple(shard.shape)}")
         stream = torch.cuda.current_stream(shard.device).cuda_stream if shard.is_cuda else None
         status = c.lib.shardmuon_newton_schulz(
             context.handle, comm.handle, ctypes.c_void_p(shard.data_ptr() if shard.numel() else None),

@@ -197,3 +197,56 @@ def _experts_sharded_by_columns(rank, world):
 @pytest.mark.parametrize("world", [2, 3])
 def test_experts_sharded_by_columns_match_each_expert_alone(world):
     launch(_experts_sharded_by_columns, world)
+
+
+def _flat_shards(rank, world, algorithm):
+    """ZeRO-style sharding: the parameters' elements laid end to end in one flat buffer, cut
+    into uneven contiguous ranges (one per rank; an empty one from 3 ranks on); each rank's
+    piece of a parameter is a 1D tensor (partition_dim "flat", muon_shape the matrix)."""
+    generator = torch.Generator().manual_seed(13)
+    shapes = [(37, 53, torch.float64), (16, 24, torch.float32), (1, 40, torch.float64)]
+    wholes = [(0.05 * torch.randn(r, c, generator=generator, dtype=torch.float64)).to(dtype)
+              for r, c, dtype in shapes]
+    grads = [[torch.randn(r, c, generator=generator, dtype=torch.float64).to(dtype) for _ in range(2)]
+             for r, c, dtype in shapes]
+    total = sum(r * c for r, c, _ in shapes)
+    bounds = [0]
+    for size in split(total, WEIGHTS[world]):
+        bounds.append(bounds[-1] + size)
+    mine = (bounds[rank], bounds[rank + 1])
+
+    def piece(whole, start):  # this rank's range of a parameter that starts at `start` in the buffer
+        begin = min(max(mine[0] - start, 0), whole.numel())
+        end = min(max(mine[1] - start, 0), whole.numel())
+        return whole.reshape(-1)[begin:end].clone()
+
+    params, starts, start = [], [], 0
+    for whole in wholes:
+        p = torch.nn.Parameter(piece(whole, start))
+        p.partition_dim = "flat"
+        p.muon_shape = tuple(whole.shape)
+        params.append(p)
+        starts.append(start)
+        start += whole.numel()
+    optimizer = st.Muon(params, lr=0.02, weight_decay=0.1, process_group=dist.group.WORLD,
+                        algorithm=algorithm)
+    references = [(w.double(), torch.zeros_like(w, dtype=torch.float64)) for w in wholes]
+    for step in range(2):
+        for i, p in enumerate(params):
+            p.grad = piece(grads[i][step], starts[i])
+            references[i] = reference.muon_step(references[i][0], grads[i][step], references[i][1],
+                                                lr=0.02, weight_decay=0.1)
+        optimizer.step()
+    for i, p in enumerate(params):
+        expected = piece(references[i][0], starts[i])
+        if expected.numel() == 0:
+            assert p.numel() == 0
+            continue
+        error = reference.relative_error(p.detach(), expected)
+        assert error < TOLERANCE[shapes[i][2]], (rank, i, error)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("algorithm", ["auto", "owner", "duplicated"])
+def test_flat_shards_match_the_whole_matrix_reference(world, algorithm):
+    launch(_flat_shards, world, algorithm)

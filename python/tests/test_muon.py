@@ -176,6 +176,18 @@ def test_bad_inputs_name_the_parameter():
     with pytest.raises(ValueError, match="contradicts"):
         st.Muon([weight], use_decoupled_weight_decay=True, weight_decay_mode="l2")
 
+    # Flat (ZeRO-style) shards: a 1D tensor with the matrix's shape beside it.
+    flat = torch.nn.Parameter(torch.randn(24))
+    flat.grad = torch.randn(24)
+    flat.partition_dim = "flat"
+    with pytest.raises(ValueError, match=r"layer\.flat.*muon_shape = \(rows, cols\)"):
+        st.Muon([("layer.flat", flat)]).step()
+    flat.muon_shape = (5, 5)  # one rank holds the whole matrix: 25 elements, not 24
+    with pytest.raises(ValueError, match="holds 24 elements, not the 5 x 5 of its muon_shape"):
+        st.Muon([flat]).step()
+    with pytest.raises(ValueError, match="partition_dim must be 0, 1, -1 \\(replicated\\) or \"flat\""):
+        st.Muon([weight], partition_dim="rows")
+
 
 def test_library_errors_arrive_as_exceptions_with_the_message():
     weight = torch.nn.Parameter(torch.randn(5, 7))
