@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <utility>
 
 #include "core/agreement.h"
 #include "core/dtype.h"
@@ -533,12 +534,17 @@ void copy_bytes(Backend& backend, void* dst, const void* src, size_t bytes, Stre
   if (bytes > 0) backend.copy_2d(dst, bytes, src, bytes, bytes, 1, stream);
 }
 
-// (f) in rounds: round r holds each owner's r-th matrix (in the order of step.owned). Every
-// rank sends its pieces of the round's sharded matrices to their owners and, once the owners
-// have orthogonalized them, gets its pieces back: one all-to-all each way per round, on the
+// (f) in rounds: each owner's matrices (in the order of step.owned) are cut into at most
+// kOwnerRounds consecutive parts, and round r holds every owner's r-th part. Every rank sends
+// its pieces of the round's sharded matrices to their owners and, once the owners have
+// orthogonalized them, gets its pieces back: one all-to-all each way per round, on the
 // backend's side stream, so that round r + 1's pieces travel and round r - 1's results come
-// back while round r is computed. Replicated matrices' results (their owner holds the whole
-// matrix already) reach every rank by one all-gather at the end.
+// back while round r is computed. A bounded number of rounds keeps the collectives' fixed
+// costs bounded for steps of thousands of small matrices (MoE experts). Replicated matrices'
+// results (their owner holds the whole matrix already) reach every rank by one all-gather
+// at the end.
+constexpr size_t kOwnerRounds = 8;
+
 void run_owner_batch(Backend& backend, Communicator& comm, const ValidatedMuonStep& step,
                      const StepLayout& layout, char* base, Stream stream) {
   const int rank = comm.rank(), ranks = comm.size();
@@ -546,6 +552,13 @@ void run_owner_batch(Backend& backend, Communicator& comm, const ValidatedMuonSt
   for (size_t k = 0; k < step.owned.size(); ++k) owned_by[step.owned[k].owner].push_back(k);
   size_t rounds = 0;
   for (const std::vector<size_t>& list : owned_by) rounds = std::max(rounds, list.size());
+  rounds = std::min(rounds, kOwnerRounds);
+  // Round r holds a contiguous part of each owner's list (at positions [first, last)), so its
+  // pieces are contiguous in the send and receive regions: one message per peer.
+  auto round_of = [&](int owner, size_t r) {
+    const size_t n = owned_by[owner].size();
+    return std::pair<size_t, size_t>{r * n / rounds, (r + 1) * n / rounds};
+  };
 
   // This rank's piece of a matrix: contiguous in its update buffer.
   auto own_piece = [&](const OwnedMatrix& m) {
@@ -568,18 +581,21 @@ void run_owner_batch(Backend& backend, Communicator& comm, const ValidatedMuonSt
     std::vector<size_t> from_source(ranks, 0), from_source_at(ranks, 0);
     bool any = false;
     for (int q = 0; q < ranks; ++q) {
-      if (r >= owned_by[q].size()) continue;
-      const size_t k = owned_by[q][r];
-      any = any || step.owned[k].ns.layout.is_sharded();
-      to_owner[q] = exchanged_bytes(step.owned[k], rank);
-      to_owner_at[q] = layout.sent[k] - layout.sending;
+      const auto [first, last] = round_of(q, r);
+      for (size_t i = first; i < last; ++i) {
+        const size_t k = owned_by[q][i];
+        any = any || step.owned[k].ns.layout.is_sharded();
+        if (i == first) to_owner_at[q] = layout.sent[k] - layout.sending;
+        to_owner[q] += aligned_bytes(exchanged_bytes(step.owned[k], rank));  // slots are aligned
+      }
     }
     if (!any) return;
-    if (r < owned_by[rank].size()) {
-      const size_t k = owned_by[rank][r];
+    const auto [first, last] = round_of(rank, r);
+    for (size_t i = first; i < last; ++i) {
+      const size_t k = owned_by[rank][i];
       for (int source = 0; source < ranks; ++source) {
-        from_source[source] = exchanged_bytes(step.owned[k], source);
-        from_source_at[source] = layout.received[k][source] - layout.receiving;
+        if (i == first) from_source_at[source] = layout.received[k][source] - layout.receiving;
+        from_source[source] += aligned_bytes(exchanged_bytes(step.owned[k], source));
       }
     }
     if (forward) {
@@ -594,8 +610,9 @@ void run_owner_batch(Backend& backend, Communicator& comm, const ValidatedMuonSt
   if (rounds > 0) exchange_round(0, true);
   backend.order_after(stream, side);
   for (size_t r = 0; r < rounds; ++r) {
-    if (r < owned_by[rank].size()) {
-      const size_t k = owned_by[rank][r];
+    const auto [first, last] = round_of(rank, r);
+    for (size_t i = first; i < last; ++i) {
+      const size_t k = owned_by[rank][i];
       const OwnedMatrix& m = step.owned[k];
       char* matrix = base + layout.matrix[k];
       const bool sharded = m.ns.layout.is_sharded();

@@ -304,6 +304,26 @@ TEST_F(MuonStepBatches, OwnersWithFewerMatricesThanRanks) {
   }
 }
 
+// Many small matrices (stacked experts): each owner holds more matrices than the owner
+// batch has rounds, so a round exchanges several matrices per peer, in uneven numbers.
+TEST_F(MuonStepBatches, OwnersWithManyMatricesExchangeSeveralPerRound) {
+  for (int p = 2; p <= Harness::get().max_group_size(); ++p) {
+    const Group& group = Harness::get().group(p);
+    if (!group.member) continue;
+    std::vector<Parameter> params;
+    params.push_back(make_parameter(120, 7, SHARDMUON_FLOAT32, SHARDMUON_SHARDED_DIM1, p, 51, 2));
+    params.push_back(make_parameter(96, 6, SHARDMUON_FLOAT32, SHARDMUON_SHARDED_DIM0, p, 52, 2));
+    params.push_back(make_parameter(54, 5, SHARDMUON_BFLOAT16, SHARDMUON_SHARDED_FLAT, p, 53, 2));
+    params.push_back(make_parameter(11, 13, SHARDMUON_FLOAT32, SHARDMUON_REPLICATED, p, 54, 2));
+    params[0].row_blocks = 40;  // 40 experts of 3 x 7
+    params[1].row_blocks = 24;  // 24 of 4 x 6, straddling the uneven row shards
+    params[2].row_blocks = 18;  // 18 of 3 x 5 over element ranges
+    StepRun run{params, {ReferenceGroup{}}, {SHARDMUON_SCHEDULE_QUINTIC}, {5}};
+    run.algorithm = SHARDMUON_NS_OWNER;
+    run_and_compare(group, run, 2, "many small matrices P=" + std::to_string(p));
+  }
+}
+
 // Stacked matrices (row_blocks), each orthogonalized and scaled on its own: a mixture-of-
 // experts weight (4 experts of 9 x 20), a fused QKV split by head (6 heads of 5 rows) sharded
 // along its rows unevenly, so that heads straddle ranks, gate/up halves sharded along the
