@@ -49,7 +49,30 @@ shardmuon_status shardmuon_muon_step(shardmuon_context_t context, shardmuon_comm
                              *backend, step, group.rank(), group.size(), context->nonfinite_policy),
                          stream);
     });
-    shardmuon::agree_across_ranks(group, local_error, step.digest, step.description);
+    // The digest the ranks agree on covers the non-finite policy too: it decides the step's
+    // collectives.
+    const uint64_t digest =
+        shardmuon::Digest{}.add(step.digest).add(context->nonfinite_policy).value();
+    if (backend != nullptr && backend->is_capturing(stream)) {
+      // Captured into a CUDA graph: nothing may wait on the host, so the ranks cannot compare
+      // arguments now. They did at the last uncaptured step; the captured one must repeat it.
+      if (local_error != nullptr) std::rethrow_exception(local_error);
+      SHARDMUON_CHECK_ARG(context->nonfinite_policy != SHARDMUON_NONFINITE_RAISE,
+                          "the stream is being captured into a CUDA graph, and the non-finite "
+                          "policy RAISE waits on the host for the step's flags; use SKIP or "
+                          "PROCEED for a captured step");
+      SHARDMUON_CHECK_ARG(group.agreed_on_step(digest),
+                          "the stream is being captured into a CUDA graph, where the ranks "
+                          "cannot check that their arguments agree; capture a step only after "
+                          "running it once uncaptured, with the same parameters, layouts and "
+                          "hyperparameters (learning rate included: the graph replays the "
+                          "captured values), on this communicator. This step: ",
+                          step.description);
+      shardmuon::run_muon_step(*backend, group, step, stream, context->nonfinite_policy);
+      return;
+    }
+    shardmuon::agree_across_ranks(group, local_error, digest, step.description);
+    group.remember_agreed_step(digest);
     shardmuon::run_muon_step(*backend, group, step, stream, context->nonfinite_policy);
   });
 }

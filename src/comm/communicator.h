@@ -52,6 +52,17 @@ class Communicator {
   // marks the communicator unusable) when the others do not join within the timeout.
   virtual void agree_max(int64_t* values, int count) = 0;
 
+  // The digest of the last step whose arguments every rank agreed on over this
+  // communicator: a step captured into a CUDA graph cannot exchange its digest (agree_max
+  // waits on the host), so it must repeat that step's arguments (shardmuon_muon_step).
+  void remember_agreed_step(uint64_t digest) {
+    agreed_step_digest_ = digest;
+    has_agreed_step_ = true;
+  }
+  bool agreed_on_step(uint64_t digest) const {
+    return has_agreed_step_ && agreed_step_digest_ == digest;
+  }
+
  protected:
   // Called by an implementation whose exchange timed out.
   [[noreturn]] void fail_timeout(const char* channel, double waited_seconds);
@@ -59,6 +70,8 @@ class Communicator {
  private:
   double timeout_seconds_;
   std::string failure_;  // why the handle is unusable, or empty
+  uint64_t agreed_step_digest_ = 0;
+  bool has_agreed_step_ = false;
 };
 
 }  // namespace shardmuon

@@ -90,6 +90,9 @@ class Backend {
   // call after the previous one if the caller switched streams.
   virtual void begin_call(Stream stream) = 0;
   virtual void end_call(Stream stream) = 0;
+  // Whether work enqueued on `stream` now is being captured into a CUDA graph (never on the
+  // CPU backend).
+  virtual bool is_capturing(Stream /*stream*/) const { return false; }
 
   // Throws INVALID_ARGUMENT (naming `name`) if ptr is not memory this backend computes on.
   virtual void check_pointer(const void* ptr, const char* name) const = 0;

@@ -74,17 +74,31 @@ class CudaBackend final : public Backend {
   void begin_call(Stream stream) override {
     SHARDMUON_CUDA(cudaGetDevice(&caller_device_));
     if (caller_device_ != device_) SHARDMUON_CUDA(cudaSetDevice(device_));
+    capturing_call_ = is_capturing(stream);
     // The workspace is shared by calls; a call on another stream must come after the last.
-    if (has_last_stream_ && last_stream_ != stream) {
+    // A captured call cannot wait on an event recorded outside its capture: ordering the
+    // graph's launches after other calls on the context is then the caller's (as for any
+    // graph), and the workspace is pinned so that no later call moves it from under it.
+    if (has_last_stream_ && last_stream_ != stream && !capturing_call_) {
       SHARDMUON_CUDA(cudaStreamWaitEvent(as_cuda(stream), last_call_done_.get(), 0));
     }
   }
 
   void end_call(Stream stream) override {
-    cudaEventRecord(last_call_done_.get(), as_cuda(stream));
-    last_stream_ = stream;
-    has_last_stream_ = true;
+    if (capturing_call_) {
+      workspace_pinned_ = true;
+    } else {
+      cudaEventRecord(last_call_done_.get(), as_cuda(stream));
+      last_stream_ = stream;
+      has_last_stream_ = true;
+    }
     if (caller_device_ != device_) cudaSetDevice(caller_device_);
+  }
+
+  bool is_capturing(Stream stream) const override {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    SHARDMUON_CUDA(cudaStreamIsCapturing(as_cuda(stream), &status));
+    return status != cudaStreamCaptureStatusNone;
   }
 
   void check_pointer(const void* pointer, const char* name) const override {
@@ -113,6 +127,19 @@ class CudaBackend final : public Backend {
 
   void* workspace(size_t bytes, Stream stream) override {
     if (bytes <= workspace_bytes_) return workspace_;
+    if (capturing_call_) {
+      fail(SHARDMUON_ERROR_INVALID_ARGUMENT,
+           "a call captured into a CUDA graph cannot allocate "
+           "its workspace (",
+           bytes, " bytes; the context has ", workspace_bytes_,
+           "): run the same call once before capturing it");
+    }
+    if (workspace_pinned_) {
+      fail(SHARDMUON_ERROR_INVALID_ARGUMENT, "this call needs ", bytes,
+           " bytes of workspace, but the context's ", workspace_bytes_,
+           " bytes are used by a captured CUDA graph and cannot move: capture after running "
+           "the context's largest call, or use another context");
+    }
     const size_t grown =
         (bytes + kWorkspaceGranularity - 1) / kWorkspaceGranularity * kWorkspaceGranularity;
     // Stream-ordered: the old buffer is released after the work already on this stream
@@ -258,6 +285,8 @@ class CudaBackend final : public Backend {
   bool has_last_stream_ = false;
   void* workspace_ = nullptr;
   size_t workspace_bytes_ = 0;
+  bool capturing_call_ = false;    // the current call is being captured into a CUDA graph
+  bool workspace_pinned_ = false;  // a captured graph uses the workspace: it never moves
 };
 
 }  // namespace

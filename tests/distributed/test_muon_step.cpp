@@ -9,6 +9,10 @@
 #include <string>
 #include <vector>
 
+#ifdef SHARDMUON_TEST_WITH_CUDA
+#include <cuda_runtime.h>
+#endif
+
 #include "../common/harness.h"
 #include "../common/ns_runner.h"
 #include "../common/reference.h"
@@ -303,6 +307,112 @@ TEST_F(MuonStepBatches, OwnersWithFewerMatricesThanRanks) {
     run_and_compare(group, run, 3, "two owners P=" + std::to_string(p));
   }
 }
+
+#ifdef SHARDMUON_TEST_WITH_CUDA
+// A step captured into a CUDA graph and replayed with new gradients in the same buffers gives
+// the uncaptured steps' results: owners (rounds on the side stream), the Gram all-reduce's
+// side stream, flat and stacked shards. A capture whose arguments differ from the last
+// uncaptured step (another learning rate) is refused, since the ranks cannot compare them.
+TEST_F(MuonStepBatches, CapturedStepReplaysLikeUncapturedSteps) {
+  if (!Harness::get().on_gpu()) GTEST_SKIP() << "CUDA graphs";
+  const Harness& harness = Harness::get();
+  cudaStream_t stream = static_cast<cudaStream_t>(harness.stream());
+  auto cuda_ok = [](cudaError_t code, const char* what) {
+    ASSERT_EQ(code, cudaSuccess) << what << ": " << cudaGetErrorString(code);
+  };
+  for (const shardmuon_ns_algorithm algorithm : {SHARDMUON_NS_AUTO, SHARDMUON_NS_GRAM_ALLREDUCE}) {
+    for (int p = 1; p <= harness.max_group_size(); ++p) {
+      const Group& group = harness.group(p);
+      if (!group.member) continue;
+      const bool flat = algorithm != SHARDMUON_NS_GRAM_ALLREDUCE;  // which refuses flat shards
+      std::vector<Parameter> params;
+      params.push_back(make_parameter(37, 53, SHARDMUON_FLOAT32, SHARDMUON_SHARDED_DIM0, p, 61, 3));
+      params.push_back(
+          make_parameter(64, 17, SHARDMUON_BFLOAT16, SHARDMUON_SHARDED_DIM1, p, 62, 3));
+      params.push_back(make_parameter(30, 16, SHARDMUON_FLOAT32,
+                                      flat ? SHARDMUON_SHARDED_FLAT : SHARDMUON_SHARDED_DIM0, p, 63,
+                                      3));
+      params[2].row_blocks = 2;
+      ReferenceGroup reference;
+      reference.coefficients = coefficients_for(SHARDMUON_SCHEDULE_QUINTIC, 5);
+      shardmuon_muon_group g = to_api(reference, SHARDMUON_SCHEDULE_QUINTIC, 5);
+      g.ns.algorithm = algorithm;
+      std::vector<shardmuon_muon_param> api(params.size());
+      for (size_t i = 0; i < params.size(); ++i) {
+        Parameter& q = params[i];
+        q.w_buffer = harness.upload(to_bytes(q.shard(q.w, group.rank), q.dtype));
+        q.m_buffer = harness.upload(to_bytes(q.shard(q.m, group.rank), q.dtype));
+        q.g_buffer = harness.upload(to_bytes(q.shard(q.grads[0], group.rank), q.dtype));
+        api[i].param = q.w_buffer.data();
+        api[i].grad = q.g_buffer.data();
+        api[i].momentum = q.m_buffer.data();
+        api[i].dtype = q.dtype;
+        api[i].layout = q.layout(group.size);
+        api[i].row_blocks = q.row_blocks;
+      }
+      auto step = [&](const shardmuon_muon_group& groups) {
+        return shardmuon_muon_step(harness.context(), group.comm, api.data(),
+                                   static_cast<int>(api.size()), &groups, 1, stream);
+      };
+      auto new_gradients = [&](int s) {  // into the same buffers the graph reads
+        harness.synchronize();
+        for (Parameter& q : params) {
+          const std::vector<unsigned char> bytes =
+              to_bytes(q.shard(q.grads[s], group.rank), q.dtype);
+          if (!bytes.empty()) {
+            cuda_ok(
+                cudaMemcpy(q.g_buffer.data(), bytes.data(), bytes.size(), cudaMemcpyHostToDevice),
+                "gradient upload");
+          }
+        }
+      };
+      for (int s = 0; s < 3; ++s) {
+        for (Parameter& q : params) reference_step_by_blocks(q, s, reference);
+      }
+
+      ASSERT_TRUE(group_all(step(g) == SHARDMUON_SUCCESS, group.mpi)) << shardmuon_last_error();
+      new_gradients(1);
+      cudaGraph_t graph = nullptr;
+      cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), "begin capture");
+      const shardmuon_status captured = step(g);
+      const std::string capture_error = shardmuon_last_error();
+      cuda_ok(cudaStreamEndCapture(stream, &graph), "end capture");
+      ASSERT_TRUE(group_all(captured == SHARDMUON_SUCCESS, group.mpi)) << capture_error;
+      cudaGraphExec_t replay = nullptr;
+      cuda_ok(cudaGraphInstantiate(&replay, graph, 0), "instantiate");
+      cuda_ok(cudaGraphLaunch(replay, stream), "launch 1");
+      new_gradients(2);
+      cuda_ok(cudaGraphLaunch(replay, stream), "launch 2");
+      harness.synchronize();
+      for (size_t i = 0; i < params.size(); ++i) {
+        const Parameter& q = params[i];
+        const std::vector<double> w = from_bytes(harness.download(q.w_buffer), q.dtype);
+        const double error =
+            group_max(group_relative_error(w, q.shard(q.w, group.rank), group.mpi), group.mpi);
+        report_error(error, tolerance_for(q.dtype), group.rank);
+        EXPECT_LT(error, tolerance_for(q.dtype))
+            << "algorithm " << algorithm << " P=" << p << " params[" << i << "]";
+      }
+
+      shardmuon_muon_group other = g;
+      other.lr *= 2;
+      cudaGraph_t refused_graph = nullptr;
+      cuda_ok(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), "begin capture 2");
+      const shardmuon_status refused = step(other);
+      const std::string refused_error = shardmuon_last_error();
+      cudaStreamEndCapture(stream, &refused_graph);  // whatever was captured is discarded
+      EXPECT_EQ(refused, SHARDMUON_ERROR_INVALID_ARGUMENT);
+      EXPECT_NE(refused_error.find("capture a step only after running it once uncaptured"),
+                std::string::npos)
+          << refused_error;
+      if (refused_graph != nullptr) cudaGraphDestroy(refused_graph);
+      cudaGraphExecDestroy(replay);
+      cudaGraphDestroy(graph);
+      cudaGetLastError();
+    }
+  }
+}
+#endif
 
 // Many small matrices (stacked experts): each owner holds more matrices than the owner
 // batch has rounds, so a round exchanges several matrices per peer, in uneven numbers.
