@@ -422,7 +422,18 @@ typedef struct shardmuon_muon_param {
  * groups, which grads are absent) and the same hyperparameters, in the same order, each with
  * its own shards; the ranks check this before any collective, and any invalid argument or
  * disagreement makes every rank return an error with nothing modified. Elementwise work is
- * fused on the GPU: one pass for weight decay + momentum + Nesterov, one for scale + update. */
+ * fused on the GPU: one pass for weight decay + momentum + Nesterov, one for scale + update.
+ *
+ * CUDA graphs: a step may be captured (cudaStreamBeginCapture on `stream`, any capture mode;
+ * torch.cuda.graph) once the same step, with the same parameters, layouts and
+ * hyperparameters, has run uncaptured on this comm and context. The captured step neither
+ * checks arguments across ranks (that waits on the host) nor allocates: it must repeat the
+ * last uncaptured step's arguments, or it returns INVALID_ARGUMENT on this rank (the other
+ * ranks cannot know, so keep the arguments equal everywhere). Replays use the captured
+ * buffers and hyperparameters, the learning rate included; copy new gradients into the same
+ * buffers between replays. The non-finite policy must be SKIP or PROCEED (RAISE waits on the
+ * host). After a capture the context's workspace never moves, so a later call that needs a
+ * larger one fails: capture after the context's largest call. */
 SHARDMUON_API shardmuon_status shardmuon_muon_step(
     shardmuon_context_t context, shardmuon_comm_t comm, const shardmuon_muon_param* params,
     int num_params, const shardmuon_muon_group* groups, int num_groups, void* stream);
