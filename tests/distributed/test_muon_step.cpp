@@ -63,6 +63,29 @@ Parameter make_parameter(int64_t rows, int64_t cols, shardmuon_dtype dtype,
   return p;
 }
 
+// Uploads each parameter's shards on this rank (weights, momentum and the gradient of step
+// `step`) and describes them for the C API.
+std::vector<shardmuon_muon_param> upload_parameters(std::vector<Parameter>& params,
+                                                    const Group& group, int step = 0) {
+  const Harness& harness = Harness::get();
+  std::vector<shardmuon_muon_param> api(params.size());
+  for (size_t i = 0; i < params.size(); ++i) {
+    Parameter& q = params[i];
+    q.w_buffer = harness.upload(to_bytes(q.shard(q.w, group.rank), q.dtype));
+    q.m_buffer = harness.upload(to_bytes(q.shard(q.m, group.rank), q.dtype));
+    q.g_buffer = harness.upload(to_bytes(q.shard(q.grads[step], group.rank), q.dtype));
+    api[i].param = q.w_buffer.data();
+    api[i].grad = q.has_grad ? q.g_buffer.data() : nullptr;
+    api[i].no_grad = q.has_grad ? 0 : 1;
+    api[i].momentum = q.m_buffer.data();
+    api[i].dtype = q.dtype;
+    api[i].layout = q.layout(group.size);
+    api[i].group = q.group;
+    api[i].row_blocks = q.row_blocks;
+  }
+  return api;
+}
+
 // The oracle's step of each stacked matrix on its own (all of them when row_blocks is 1).
 void reference_step_by_blocks(Parameter& p, int step, const ReferenceGroup& reference) {
   const int64_t rows = p.w.rows / p.row_blocks, cols = p.w.cols;
@@ -337,19 +360,7 @@ TEST_F(MuonStepBatches, CapturedStepReplaysLikeUncapturedSteps) {
       reference.coefficients = coefficients_for(SHARDMUON_SCHEDULE_QUINTIC, 5);
       shardmuon_muon_group g = to_api(reference, SHARDMUON_SCHEDULE_QUINTIC, 5);
       g.ns.algorithm = algorithm;
-      std::vector<shardmuon_muon_param> api(params.size());
-      for (size_t i = 0; i < params.size(); ++i) {
-        Parameter& q = params[i];
-        q.w_buffer = harness.upload(to_bytes(q.shard(q.w, group.rank), q.dtype));
-        q.m_buffer = harness.upload(to_bytes(q.shard(q.m, group.rank), q.dtype));
-        q.g_buffer = harness.upload(to_bytes(q.shard(q.grads[0], group.rank), q.dtype));
-        api[i].param = q.w_buffer.data();
-        api[i].grad = q.g_buffer.data();
-        api[i].momentum = q.m_buffer.data();
-        api[i].dtype = q.dtype;
-        api[i].layout = q.layout(group.size);
-        api[i].row_blocks = q.row_blocks;
-      }
+      std::vector<shardmuon_muon_param> api = upload_parameters(params, group);
       auto step = [&](const shardmuon_muon_group& groups) {
         return shardmuon_muon_step(harness.context(), group.comm, api.data(),
                                    static_cast<int>(api.size()), &groups, 1, stream);
@@ -491,31 +502,23 @@ TEST_F(MuonStepBatches, FlatShardsMatchTheReference) {
       run_and_compare(group, run, 2,
                       "flat, algorithm " + std::to_string(algorithm) + " P=" + std::to_string(p));
     }
-    Parameter flat = make_parameter(12, 10, SHARDMUON_FLOAT32, SHARDMUON_SHARDED_FLAT, p, 46, 1);
-    const std::vector<unsigned char> w = to_bytes(flat.shard(flat.w, group.rank), flat.dtype);
-    const std::vector<unsigned char> m = to_bytes(flat.shard(flat.m, group.rank), flat.dtype);
-    flat.w_buffer = Harness::get().upload(w);
-    flat.m_buffer = Harness::get().upload(m);
-    flat.g_buffer =
-        Harness::get().upload(to_bytes(flat.shard(flat.grads[0], group.rank), flat.dtype));
-    shardmuon_muon_param api{};
-    api.param = flat.w_buffer.data();
-    api.grad = flat.g_buffer.data();
-    api.momentum = flat.m_buffer.data();
-    api.dtype = flat.dtype;
-    api.layout = flat.layout(group.size);
+    std::vector<Parameter> flat;
+    flat.push_back(make_parameter(12, 10, SHARDMUON_FLOAT32, SHARDMUON_SHARDED_FLAT, p, 46, 1));
+    const std::vector<shardmuon_muon_param> api = upload_parameters(flat, group);
+    const std::vector<unsigned char> w = Harness::get().download(flat[0].w_buffer);
+    const std::vector<unsigned char> m = Harness::get().download(flat[0].m_buffer);
     shardmuon_muon_group g = to_api(ReferenceGroup{}, SHARDMUON_SCHEDULE_QUINTIC, 5);
     g.ns.algorithm = SHARDMUON_NS_GRAM_ALLREDUCE;
-    const shardmuon_status status = shardmuon_muon_step(Harness::get().context(), group.comm, &api,
-                                                        1, &g, 1, Harness::get().stream());
+    const shardmuon_status status = shardmuon_muon_step(
+        Harness::get().context(), group.comm, api.data(), 1, &g, 1, Harness::get().stream());
     const std::string error = shardmuon_last_error();
     EXPECT_TRUE(group_all(status == SHARDMUON_ERROR_INVALID_ARGUMENT, group.mpi)) << error;
     EXPECT_NE(error.find("groups[0].ns.algorithm, params[0].layout: algorithm GRAM_ALLREDUCE "
                          "needs shards along dim 0 or 1"),
               std::string::npos)
         << error;
-    EXPECT_EQ(Harness::get().download(flat.w_buffer), w);
-    EXPECT_EQ(Harness::get().download(flat.m_buffer), m);
+    EXPECT_EQ(Harness::get().download(flat[0].w_buffer), w);
+    EXPECT_EQ(Harness::get().download(flat[0].m_buffer), m);
   }
 }
 
@@ -528,18 +531,7 @@ TEST_F(MuonStepBatches, PlannerChoicesAreReported) {
     if (!group.member) continue;
     auto plan_of = [&](std::vector<Parameter>& params, shardmuon_ns_algorithm algorithm,
                        std::vector<shardmuon_ns_algorithm>& algorithms, std::vector<int>& owners) {
-      std::vector<shardmuon_muon_param> api(params.size());
-      for (size_t i = 0; i < params.size(); ++i) {
-        Parameter& q = params[i];
-        q.w_buffer = Harness::get().upload(to_bytes(q.shard(q.w, group.rank), q.dtype));
-        q.m_buffer = Harness::get().upload(to_bytes(q.shard(q.m, group.rank), q.dtype));
-        q.g_buffer = Harness::get().upload(to_bytes(q.shard(q.grads[0], group.rank), q.dtype));
-        api[i] =
-            shardmuon_muon_param{q.w_buffer.data(),    q.has_grad ? q.g_buffer.data() : nullptr,
-                                 q.m_buffer.data(),    q.dtype,
-                                 q.layout(group.size), 0,
-                                 q.has_grad ? 0 : 1,   1};
-      }
+      std::vector<shardmuon_muon_param> api = upload_parameters(params, group);
       shardmuon_muon_group g = to_api(ReferenceGroup{}, SHARDMUON_SCHEDULE_QUINTIC, 5);
       g.ns.algorithm = algorithm;
       algorithms.assign(params.size(), SHARDMUON_NS_AUTO);
