@@ -413,16 +413,18 @@ class MuonWithAdamW(Muon):
 def muon_param_groups(model: torch.nn.Module, *, muon_lr: float, adamw_lr: float,
                       adamw_weight_decay: float = 0.0,
                       exclude: Sequence[str] = ("lm_head", "output_head", "wte", "wpe")):
-    """Groups for MuonWithAdamW: the 2D weights go to Muon, except embeddings (nn.Embedding
-    modules) and parameters whose name contains one of ``exclude`` (the output head), which
-    Muon users train with AdamW; everything else (norms, biases) goes to AdamW."""
+    """Groups for MuonWithAdamW: the weight matrices go to Muon (2D weights, 3D expert stacks
+    and 1D tensors marked as flat shards of a matrix), except embeddings (nn.Embedding modules)
+    and parameters whose name contains one of ``exclude`` (the output head), which Muon users
+    train with AdamW; everything else (norms, biases) goes to AdamW."""
     embedding_params = {id(p) for module in model.modules() if isinstance(module, torch.nn.Embedding)
                         for p in module.parameters(recurse=False)}
     muon, adam = [], []
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        if param.ndim == 2 and id(param) not in embedding_params and not any(word in name for word in exclude):
+        matrix = param.ndim in (2, 3) or getattr(param, "partition_dim", None) == "flat"
+        if matrix and id(param) not in embedding_params and not any(word in name for word in exclude):
             muon.append((name, param))
         else:
             adam.append(param)

@@ -206,6 +206,15 @@ def test_muon_with_adamw_matches_torch_adamw_for_the_other_parameters():
     twin.load_state_dict(model.state_dict())
     groups = st.muon_param_groups(model, muon_lr=0.02, adamw_lr=1e-3, adamw_weight_decay=0.1)
     assert [n for n, _ in groups[0]["params"]] == ["1.weight"]
+    # Expert stacks and flat shards of matrices are Muon's too; 1D tensors otherwise AdamW's.
+    experts = torch.nn.Module()
+    experts.w = torch.nn.Parameter(torch.randn(4, 8, 6))
+    experts.flat = torch.nn.Parameter(torch.randn(20))
+    experts.flat.partition_dim, experts.flat.muon_shape = "flat", (4, 10)
+    experts.bias = torch.nn.Parameter(torch.randn(6))
+    expert_groups = st.muon_param_groups(experts, muon_lr=0.02, adamw_lr=1e-3)
+    assert [n for n, _ in expert_groups[0]["params"]] == ["w", "flat"]
+    assert len(expert_groups[1]["params"]) == 1
     optimizer = st.MuonWithAdamW(groups, adamw_betas=(0.9, 0.95))
     adam_params = [p for n, p in twin.named_parameters() if n != "1.weight"]
     adam = torch.optim.AdamW(adam_params, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
