@@ -323,7 +323,8 @@ SHARDMUON_API shardmuon_status shardmuon_comm_size(shardmuon_comm_t comm, int* s
  * Collective over comm. Before any collective, the ranks exchange a digest of their
  * arguments; if one rank's arguments are invalid, or the ranks disagree, every rank returns
  * an error (INVALID_ARGUMENT on the rank at fault, PEER_FAILED or RANK_MISMATCH on the others)
- * and no rank's shard is modified. */
+ * and no rank's shard is modified. Not capturable into a CUDA graph (it returns UNSUPPORTED
+ * on a capturing stream); shardmuon_muon_step is. */
 SHARDMUON_API shardmuon_status shardmuon_newton_schulz(
     shardmuon_context_t context, shardmuon_comm_t comm, void* local_shard, shardmuon_dtype dtype,
     const shardmuon_layout* layout, const shardmuon_ns_options* options, void* stream);

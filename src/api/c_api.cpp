@@ -389,8 +389,10 @@ shardmuon_status shardmuon_newton_schulz(shardmuon_context_t context, shardmuon_
     // Without a communicator the ranks cannot be told; this error stays local.
     shardmuon::Communicator& group = shardmuon::communicator_of(comm, "comm");
     shardmuon::ValidatedNsCall call;
+    shardmuon::Backend* backend = nullptr;
     std::optional<shardmuon::BackendCallScope> scope;
     const std::exception_ptr local_error = shardmuon::capture_local_failure([&] {
+      backend = &shardmuon::backend_of(context, "context");
       call = shardmuon::validate_ns_call(context, group, local_shard, dtype, layout, options);
       // Grow the workspace now, so that running out of memory is this rank's validation
       // failure, reported to every rank, rather than a failure after the others have
@@ -400,6 +402,13 @@ shardmuon_status shardmuon_newton_schulz(shardmuon_context_t context, shardmuon_
                                                                        group.rank(), group.size()),
                               stream);
     });
+    if (backend != nullptr && backend->is_capturing(stream)) {
+      if (local_error != nullptr) std::rethrow_exception(local_error);
+      shardmuon::fail(SHARDMUON_ERROR_UNSUPPORTED,
+                      "the stream is being captured into a CUDA graph, and "
+                      "shardmuon_newton_schulz checks its arguments across the ranks on the "
+                      "host first; capture shardmuon_muon_step instead (see its rules)");
+    }
     shardmuon::agree_across_ranks(group, local_error, call.digest, call.description);
     shardmuon::run_newton_schulz(*call.backend, group, call.problem, local_shard, stream);
   });

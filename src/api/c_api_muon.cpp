@@ -68,6 +68,7 @@ shardmuon_status shardmuon_muon_step(shardmuon_context_t context, shardmuon_comm
                           "hyperparameters (learning rate included: the graph replays the "
                           "captured values), on this communicator. This step: ",
                           step.description);
+      backend->pin_workspace();  // the graph will hold its address
       shardmuon::run_muon_step(*backend, group, step, stream, context->nonfinite_policy);
       return;
     }

@@ -91,8 +91,10 @@ class Backend {
   virtual void begin_call(Stream stream) = 0;
   virtual void end_call(Stream stream) = 0;
   // Whether work enqueued on `stream` now is being captured into a CUDA graph (never on the
-  // CPU backend).
+  // CPU backend), and, once a call has been captured, keeping the workspace where the graph
+  // will find it: it never moves again.
   virtual bool is_capturing(Stream /*stream*/) const { return false; }
+  virtual void pin_workspace() {}
 
   // Throws INVALID_ARGUMENT (naming `name`) if ptr is not memory this backend computes on.
   virtual void check_pointer(const void* ptr, const char* name) const = 0;

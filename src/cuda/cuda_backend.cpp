@@ -85,15 +85,15 @@ class CudaBackend final : public Backend {
   }
 
   void end_call(Stream stream) override {
-    if (capturing_call_) {
-      workspace_pinned_ = true;
-    } else {
+    if (!capturing_call_) {
       cudaEventRecord(last_call_done_.get(), as_cuda(stream));
       last_stream_ = stream;
       has_last_stream_ = true;
     }
     if (caller_device_ != device_) cudaSetDevice(caller_device_);
   }
+
+  void pin_workspace() override { workspace_pinned_ = true; }
 
   bool is_capturing(Stream stream) const override {
     cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
