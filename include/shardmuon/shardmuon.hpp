@@ -118,6 +118,10 @@ struct Layout {
     return {rows, cols, dim == 0 ? SHARDMUON_SHARDED_DIM0 : SHARDMUON_SHARDED_DIM1,
             std::move(sizes)};
   }
+  // Ranges of the row-major elements (ZeRO-style); sizes count elements.
+  static Layout flat(int64_t rows, int64_t cols, std::vector<int64_t> sizes) {
+    return {rows, cols, SHARDMUON_SHARDED_FLAT, std::move(sizes)};
+  }
 
   shardmuon_layout view(int num_shards) const {
     shardmuon_layout layout{};
@@ -253,10 +257,14 @@ class Muon {
 
   static int64_t local_elements(const shardmuon_layout& layout, int rank) {
     if (layout.partition == SHARDMUON_REPLICATED) return layout.rows * layout.cols;
-    const int64_t extent = layout.partition == SHARDMUON_SHARDED_DIM0 ? layout.rows : layout.cols;
+    const bool flat = layout.partition == SHARDMUON_SHARDED_FLAT;
+    const bool rows_split = layout.partition == SHARDMUON_SHARDED_DIM0;
+    const int64_t extent = flat         ? layout.rows * layout.cols
+                           : rows_split ? layout.rows
+                                        : layout.cols;
     int64_t size = extent / layout.num_shards + (rank < extent % layout.num_shards ? 1 : 0);
     if (layout.shard_sizes != nullptr) size = layout.shard_sizes[rank];
-    return size * (layout.partition == SHARDMUON_SHARDED_DIM0 ? layout.cols : layout.rows);
+    return size * (flat ? 1 : rows_split ? layout.cols : layout.rows);
   }
 
   std::vector<shardmuon_muon_param> batch() const {

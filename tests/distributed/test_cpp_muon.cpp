@@ -15,17 +15,27 @@
 namespace shardmuon_test {
 namespace {
 
-constexpr int kParams = 2;
-const int64_t kShapes[kParams][2] = {{45, 19}, {23, 50}};
-const shardmuon_dtype kDtypes[kParams] = {SHARDMUON_BFLOAT16, SHARDMUON_FLOAT32};
-const int kDims[kParams] = {0, 1};
+constexpr int kParams = 3;
+const int64_t kShapes[kParams][2] = {{45, 19}, {23, 50}, {17, 30}};
+const shardmuon_dtype kDtypes[kParams] = {SHARDMUON_BFLOAT16, SHARDMUON_FLOAT32, SHARDMUON_FLOAT32};
+// Rows, columns, and a flat (ZeRO-style) range of the elements.
+const shardmuon_partition kPartitions[kParams] = {SHARDMUON_SHARDED_DIM0, SHARDMUON_SHARDED_DIM1,
+                                                  SHARDMUON_SHARDED_FLAT};
 
 std::vector<int64_t> sizes_of(int i, const Group& group) {
-  return uneven_sizes(kShapes[i][kDims[i]], group.size);
+  return uneven_sizes(sharded_extent(kShapes[i][0], kShapes[i][1], kPartitions[i]), group.size);
 }
 
 shardmuon_partition partition_of(int i) {
-  return kDims[i] == 0 ? SHARDMUON_SHARDED_DIM0 : SHARDMUON_SHARDED_DIM1;
+  return kPartitions[i];
+}
+
+shardmuon::Layout layout_of(int i, const Group& group) {
+  if (kPartitions[i] == SHARDMUON_SHARDED_FLAT) {
+    return shardmuon::Layout::flat(kShapes[i][0], kShapes[i][1], sizes_of(i, group));
+  }
+  const int dim = kPartitions[i] == SHARDMUON_SHARDED_DIM0 ? 0 : 1;
+  return shardmuon::Layout::sharded(kShapes[i][0], kShapes[i][1], dim, sizes_of(i, group));
 }
 
 // This rank's shard of parameter i of a random matrix, in the backend's memory.
@@ -56,9 +66,8 @@ TEST_F(CppMuon, MatchesTheCApiAndResumesFromACheckpoint) {
     c_params.push_back(upload_shard(i, group, 10 + i, 0.05));
     c_momentum.push_back(upload_shard(i, group, 10 + i, 0.0));  // zeros, like the class's
     for (int s = 0; s < 3; ++s) grads[s].push_back(upload_shard(i, group, 20 + 10 * s + i));
-    const std::vector<int64_t> sizes = sizes_of(i, group);
     muon.add_parameter("p" + std::to_string(i), class_params[i].data(), kDtypes[i],
-                       shardmuon::Layout::sharded(kShapes[i][0], kShapes[i][1], kDims[i], sizes));
+                       layout_of(i, group));
   }
   std::vector<std::vector<int64_t>> c_sizes;
   for (int i = 0; i < kParams; ++i) c_sizes.push_back(sizes_of(i, group));
@@ -114,9 +123,8 @@ TEST_F(CppMuon, MatchesTheCApiAndResumesFromACheckpoint) {
 
   shardmuon::Muon resumed(context, comm, {shardmuon::default_muon_group()});
   for (int i = 0; i < kParams; ++i) {
-    resumed.add_parameter(
-        "p" + std::to_string(i), class_params[i].data(), kDtypes[i],
-        shardmuon::Layout::sharded(kShapes[i][0], kShapes[i][1], kDims[i], sizes_of(i, group)));
+    resumed.add_parameter("p" + std::to_string(i), class_params[i].data(), kDtypes[i],
+                          layout_of(i, group));
   }
   resumed.load(directory, harness.stream());
   EXPECT_EQ(resumed.steps_taken(), 2);
@@ -141,7 +149,8 @@ TEST_F(CppMuon, MatchesTheCApiAndResumesFromACheckpoint) {
     resumed.step({}, harness.stream());
     ADD_FAILURE() << "no exception";
   } catch (const shardmuon::Error& e) {
-    EXPECT_NE(std::string(e.what()).find("0 gradients for 2 parameters"), std::string::npos);
+    const std::string expected = "0 gradients for " + std::to_string(kParams) + " parameters";
+    EXPECT_NE(std::string(e.what()).find(expected), std::string::npos) << e.what();
   }
   MPI_Barrier(group.mpi);
   if (group.rank == 0) std::filesystem::remove_all(directory);
