@@ -72,9 +72,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   shardmuon_layout layout{};
   layout.rows = in.small(-2, 24);
   layout.cols = in.small(-2, 24);
-  layout.partition = static_cast<shardmuon_partition>(in.small(-1, 3));
+  layout.partition = static_cast<shardmuon_partition>(in.small(-1, 4));  // 3: flat
   layout.num_shards = in.small(-1, 3);
   int64_t sizes[3] = {in.small(-3, 30), in.small(-3, 30), in.small(-3, 30)};
+  if (in.take<uint8_t>() % 4 == 0) sizes[0] = layout.rows * layout.cols;  // a valid flat shard
   layout.shard_sizes = in.take<uint8_t>() % 2 ? sizes : nullptr;
   const shardmuon_dtype dtype = static_cast<shardmuon_dtype>(in.small(-1, 3));
 
