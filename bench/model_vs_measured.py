@@ -7,7 +7,9 @@ Part 1 reads a table written by bench_newton_schulz.py and prints, for every bf1
 measured time, the model's estimate of the algorithm the row ran and the ratio. Part 2 sums
 the model over the matrices of 8 Llama-3-8B layers (QKV 6144 x 4096 and gate+up 28672 x 4096
 sharded on dim 0, out 4096 x 4096 and down 4096 x 14336 on dim 1) for groups of 2 to 64 ranks,
-for each algorithm, with the bytes each moves per rank.
+for each algorithm, with the bytes each moves per rank. Part 3 prices the whole model (32
+layers) on 8 to 1024 GPUs in nodes of 8: tensor parallelism inside a node replicated over the
+nodes, owners over every GPU (ZeRO-style flat shards), and one node per matrix.
 """
 
 from __future__ import annotations
@@ -105,7 +107,46 @@ def part_two(layers=8, steps=5):
               f"{totals['auto'][0] * 1e3:.1f} | {', '.join(choices)} | {owner * 1e3:.1f} | {moved / 1e6:.0f} |")
 
 
+def lpt_makespan(costs, bins):
+    """Longest processing time first over `bins` (the planner's owner assignment)."""
+    loads = [0.0] * bins
+    for cost in sorted(costs, reverse=True):
+        loads[loads.index(min(loads))] += cost
+    return max(loads)
+
+
+def part_three(layers=32, steps=5, node=8, nvlink=250e9, network=50e9):
+    """A whole Llama-3-8B (32 layers, 128 matrices) on 8 to 1024 GPUs, nodes of 8 GPUs on
+    NVLink, 50 GB/s per GPU between nodes (one 400 Gb/s NIC per GPU)."""
+    print(f"\n## The whole model ({layers} Llama-3-8B layers, {4 * layers} matrices, quintic {steps}, bf16) "
+          f"on 8 to 1024 GPUs\n")
+    print("| GPUs | replicated TP-8 step (ms) | owners over all GPUs (ms) | bytes/GPU (MB) | "
+          "one node per matrix, (b)/(a) inside (ms) | bytes/GPU (MB) |")
+    print("|---|---|---|---|---|---|")
+    matrices = [(shape, dim) for _ in range(layers) for shape, dim in LLAMA_LAYER]
+    local = [estimate(r, c, 1, None, "quintic", steps)[0] for (r, c), _ in matrices]
+    in_node = [estimate(r, c, node, dim, "quintic", steps)[0] for (r, c), dim in matrices]
+    total_bytes = sum(2 * r * c for (r, c), _ in matrices)  # bf16 updates
+    # Tensor parallelism over a node, replicated over the data-parallel groups: every node
+    # runs the same TP-8 owner step (the work does not shrink with more nodes).
+    tp8 = lpt_makespan(local, node) + 2 * total_bytes / node / nvlink
+    for gpus in (8, 16, 64, 256, 1024):
+        link = nvlink if gpus == node else network
+        # ZeRO-style: every GPU holds 1/gpus of every matrix (flat shards) and owns whole
+        # matrices; each piece travels to its owner and back (the rounds hide most of it
+        # behind the products: shown here unhidden, an upper bound).
+        moved = 2 * total_bytes / gpus * (gpus - 1) / gpus
+        owners = lpt_makespan(local, gpus) + moved / link
+        # Each matrix owned by one node, orthogonalized there by (b)/(a) over NVLink: pieces
+        # cross the network to their node once each way, then move inside it.
+        nodes = gpus // node
+        per_node = lpt_makespan(in_node, nodes) + moved / link
+        print(f"| {gpus} | {tp8 * 1e3:.1f} | {owners * 1e3:.1f} | {moved / 1e6:.0f} | "
+              f"{per_node * 1e3:.1f} | {moved / 1e6:.0f} |")
+
+
 if __name__ == "__main__":
     if len(sys.argv) > 1:
         part_one(sys.argv[1])
     part_two()
+    part_three()
