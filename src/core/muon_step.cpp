@@ -426,8 +426,12 @@ size_t exchanged_bytes(const OwnedMatrix& m, int rank) {
 //   then the Newton-Schulz scratch.
 struct StepLayout {
   size_t flags = 0;
-  std::vector<size_t> new_momentum, update;     // per parameter
-  std::vector<size_t> sent;                     // per owned matrix: its piece, to its owner
+  std::vector<size_t> new_momentum, update;  // per parameter
+  std::vector<size_t> sent;                  // per owned matrix: its piece, to its owner
+  // Per owned matrix: its piece is its parameter's whole update, which then lives in the send
+  // slot (the momentum pass writes it there and the returned result lands there): no packing
+  // and no unpacking copy.
+  std::vector<bool> sent_in_place;
   size_t sending = 0, receiving = 0;            // where those two regions start
   std::vector<std::vector<size_t>> received;    // [owned matrix][source]
   std::vector<size_t> matrix;                   // per owned matrix (owner only)
@@ -447,12 +451,20 @@ struct StepLayout {
       return at;
     };
     if (checked) layout.flags = take((1 + n) * sizeof(float));
+    layout.sent_in_place.assign(owned, false);
+    std::vector<bool> update_in_send_slot(n, false);
+    for (size_t k = 0; k < owned; ++k) {
+      const OwnedMatrix& m = step.owned[k];
+      const bool whole_parameter = step.plans[m.param].row_blocks.empty();
+      layout.sent_in_place[k] = whole_parameter && exchanged_bytes(m, rank) > 0;
+      update_in_send_slot[m.param] = layout.sent_in_place[k];
+    }
     layout.new_momentum.assign(n, 0);
     layout.update.assign(n, 0);
     for (size_t i = 0; i < n; ++i) {
       if (!step.plans[i].has_grad) continue;
       if (checked) layout.new_momentum[i] = take(shard_bytes(step.plans[i], rank));
-      layout.update[i] = take(shard_bytes(step.plans[i], rank));
+      if (!update_in_send_slot[i]) layout.update[i] = take(shard_bytes(step.plans[i], rank));
     }
 
     layout.sent.assign(owned, 0);
@@ -464,6 +476,9 @@ struct StepLayout {
       for (size_t k = 0; k < owned; ++k) {
         if (step.owned[k].owner == q) layout.sent[k] = take(exchanged_bytes(step.owned[k], rank));
       }
+    }
+    for (size_t k = 0; k < owned; ++k) {
+      if (layout.sent_in_place[k]) layout.update[step.owned[k].param] = layout.sent[k];
     }
     take(1);  // the receive region never starts where the send region does (MPI wants it)
     layout.receiving = offset;
@@ -564,8 +579,9 @@ void run_owner_batch(Backend& backend, Communicator& comm, const ValidatedMuonSt
   auto own_piece = [&](const OwnedMatrix& m) {
     return base + layout.update[m.param] + m.offset * element_size(m.ns.dtype);
   };
-  // The pieces for other owners, packed by owner.
+  // The pieces for other owners, packed by owner (unless they are there already).
   for (size_t k = 0; k < step.owned.size(); ++k) {
+    if (layout.sent_in_place[k]) continue;
     copy_bytes(backend, base + layout.sent[k], own_piece(step.owned[k]),
                exchanged_bytes(step.owned[k], rank), stream);
   }
@@ -647,9 +663,10 @@ void run_owner_batch(Backend& backend, Communicator& comm, const ValidatedMuonSt
   }
   backend.order_after(stream, side);
   if (layout.gathers) comm.all_gather_in_place(gathered, layout.gather_block_bytes, stream);
-  // Every piece from another owner back into its update buffer.
+  // Every piece from another owner back into its update buffer (unless it is there already).
   for (size_t k = 0; k < step.owned.size(); ++k) {
     const OwnedMatrix& m = step.owned[k];
+    if (layout.sent_in_place[k]) continue;
     if (m.ns.layout.is_sharded()) {
       copy_bytes(backend, own_piece(m), base + layout.sent[k], exchanged_bytes(m, rank), stream);
     } else {
