@@ -24,7 +24,6 @@ Errors: relative Frobenius distance to a float64 Newton-Schulz of the gathered m
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import statistics
 import sys
@@ -98,31 +97,20 @@ def gram_all_reduce_newton_schulz(wide_shard, coefficients, group=None):
     return x
 
 
-def move_to_long_side(shard, shape, dim, short_sizes, long_sizes, rank):
-    """Short-side shards (along dim) to long-side shards (along the other dim): one all_to_all."""
-    other = 1 - dim
-    long_offsets = offsets_of(long_sizes)
-    sends = [shard.narrow(other, long_offsets[q], long_sizes[q]).contiguous() for q in range(len(long_sizes))]
+def exchange_blocks(x, cut_dim, cut_sizes, join_dim, join_sizes, rank):
+    """One all_to_all: x cut along cut_dim into cut_sizes (piece q to rank q); from rank q comes
+    a piece of join_sizes[q] along join_dim (and cut_sizes[rank] along cut_dim), and the pieces
+    are joined along join_dim. Short-side shards to long-side blocks (cut the long side, join
+    the short one), and back (cut the short side, join the long one)."""
+    offsets = offsets_of(cut_sizes)
+    sends = [x.narrow(cut_dim, offsets[q], cut_sizes[q]).contiguous() for q in range(len(cut_sizes))]
     receives = []
-    for q, size in enumerate(short_sizes):
+    for size in join_sizes:
         extent = [0, 0]
-        extent[dim], extent[other] = size, long_sizes[rank]
-        receives.append(torch.empty(extent, dtype=shard.dtype, device=shard.device))
+        extent[join_dim], extent[cut_dim] = size, cut_sizes[rank]
+        receives.append(torch.empty(extent, dtype=x.dtype, device=x.device))
     dist.all_to_all(receives, sends)
-    return torch.cat(receives, dim=dim)
-
-
-def move_back(block, shape, dim, short_sizes, long_sizes, rank, out):
-    other = 1 - dim
-    short_offsets = offsets_of(short_sizes)
-    sends = [block.narrow(dim, short_offsets[q], short_sizes[q]).contiguous() for q in range(len(short_sizes))]
-    receives = []
-    for q, size in enumerate(long_sizes):
-        extent = [0, 0]
-        extent[dim], extent[other] = short_sizes[rank], size
-        receives.append(torch.empty(extent, dtype=block.dtype, device=block.device))
-    dist.all_to_all(receives, sends)
-    out.copy_(torch.cat(receives, dim=other))
+    return torch.cat(receives, dim=join_dim)
 
 
 # -- measuring ------------------------------------------------------------------------------
@@ -338,11 +326,11 @@ def main():
                         long_sizes = even_split((rows, cols)[long_dim], world)
 
                         def gram_baseline():
-                            block = move_to_long_side(shard, (rows, cols), dim, sizes, long_sizes, rank)
+                            block = exchange_blocks(shard, 1 - dim, long_sizes, dim, sizes, rank)
                             wide = block if long_dim == 1 else block.mT
                             result = gram_all_reduce_newton_schulz(wide, coefficients)
                             result = result if long_dim == 1 else result.mT
-                            move_back(result, (rows, cols), dim, sizes, long_sizes, rank, gram_out)
+                            gram_out.copy_(exchange_blocks(result, dim, sizes, 1 - dim, long_sizes, rank))
 
                     gram_ms = timer.median_ms(lambda: None, gram_baseline)
                     gram_baseline()

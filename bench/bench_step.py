@@ -34,8 +34,8 @@ here = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(here, "..", "python"))
 sys.path.insert(0, here)
 import shardmuon.torch as st  # noqa: E402
-from bench_newton_schulz import (EPS, even_split, gather_shards, gram_all_reduce_newton_schulz,  # noqa: E402
-                                 move_back, move_to_long_side, offsets_of, torch_newton_schulz)
+from bench_newton_schulz import (even_split, gather_shards, gram_all_reduce_newton_schulz,  # noqa: E402
+                                 exchange_blocks, offsets_of, torch_newton_schulz)
 
 LAYER = [("qkv", 6144, 4096, 0), ("out", 4096, 4096, 1), ("gate_up", 28672, 4096, 0),
          ("down", 4096, 14336, 1)]
@@ -97,13 +97,11 @@ def baseline_step(params, grads, momenta, shapes, coefficients, world, rank, gat
                 result = result if long_dim == 1 else result.mT
             else:
                 long_sizes = even_split((rows, cols)[long_dim], world)
-                block = move_to_long_side(update, (rows, cols), dim, sizes, long_sizes, rank)
+                block = exchange_blocks(update, 1 - dim, long_sizes, dim, sizes, rank)
                 wide = block if long_dim == 1 else block.mT
                 result = gram_all_reduce_newton_schulz(wide, coefficients)
                 result = result if long_dim == 1 else result.mT
-                out = torch.empty_like(update)
-                move_back(result.contiguous(), (rows, cols), dim, sizes, long_sizes, rank, out)
-                result = out
+                result = exchange_blocks(result.contiguous(), dim, sizes, 1 - dim, long_sizes, rank)
         p.mul_(1 - LR * WEIGHT_DECAY).add_(result.to(p.dtype), alpha=-LR * scale(rows, cols))
 
 

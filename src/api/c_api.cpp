@@ -402,8 +402,8 @@ shardmuon_status shardmuon_newton_schulz(shardmuon_context_t context, shardmuon_
                                                                        group.rank(), group.size()),
                               stream);
     });
+    // Refused whatever else is wrong: a call under capture must not reach the host-side check.
     if (backend != nullptr && backend->is_capturing(stream)) {
-      if (local_error != nullptr) std::rethrow_exception(local_error);
       shardmuon::fail(SHARDMUON_ERROR_UNSUPPORTED,
                       "the stream is being captured into a CUDA graph, and "
                       "shardmuon_newton_schulz checks its arguments across the ranks on the "

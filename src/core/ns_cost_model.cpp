@@ -7,6 +7,36 @@
 namespace shardmuon {
 namespace {
 
+// The products of an iteration on an s x length block (both sides padded), each with its
+// fixed cost; the symmetric ones computed as lower block columns.
+struct ProductCosts {
+  int blocks = 1;
+  double packed_elements = 0, last_block_elements = 0;
+  double gram = 0;    // X X^T
+  double square = 0;  // an s x s x s product whose result is symmetric (A A, Q M, ...)
+  double apply = 0;   // P X
+  double unpack = 0;  // one unpacking pass: the float32 triangle read, the whole matrix written
+};
+
+ProductCosts product_costs(int64_t s, int64_t length, const MachineModel& machine) {
+  s = padded_extent(s);
+  length = padded_extent(length);
+  const SymmetricTiles tiles = SymmetricTiles::split(s, machine.symmetric_block_target);
+  ProductCosts cost;
+  cost.blocks = tiles.blocks();
+  cost.packed_elements = static_cast<double>(tiles.packed_elements());
+  cost.last_block_elements = static_cast<double>(tiles.elements(tiles.blocks() - 1));
+  const double rate = machine.gemm_flops_per_second;
+  const double gemms = machine.seconds_per_gemm;
+  const double sd = static_cast<double>(s), ld = static_cast<double>(length);
+  cost.gram = 2 * cost.packed_elements * ld / rate + cost.blocks * gemms;
+  cost.square = 2 * cost.packed_elements * sd / rate + cost.blocks * gemms;
+  cost.apply = 2 * sd * sd * ld / rate + gemms;
+  cost.unpack = (4 * cost.packed_elements + machine.element_bytes * sd * sd) /
+                machine.memory_bytes_per_second;
+  return cost;
+}
+
 struct IterationCost {
   double gram_seconds = 0;  // the products a Gram all-reduce can hide behind
   double other_seconds = 0;
@@ -18,23 +48,13 @@ struct IterationCost {
 // One iteration on an s x length block: A = X X^T (lower block columns), P = a I + b A +
 // c A A (lower block columns), X <- P X, and the two unpacking passes.
 IterationCost iteration_cost(int64_t s, int64_t length, const MachineModel& machine) {
-  s = padded_extent(s);
-  length = padded_extent(length);
-  const SymmetricTiles tiles = SymmetricTiles::split(s, machine.symmetric_block_target);
+  const ProductCosts products = product_costs(s, length, machine);
   IterationCost cost;
-  cost.blocks = tiles.blocks();
-  cost.packed_elements = static_cast<double>(tiles.packed_elements());
-  cost.last_block_elements = static_cast<double>(tiles.elements(tiles.blocks() - 1));
-  const double rate = machine.gemm_flops_per_second;
-  const double gemms = machine.seconds_per_gemm;
-  const double sd = static_cast<double>(s), ld = static_cast<double>(length);
-  cost.gram_seconds = 2 * cost.packed_elements * ld / rate + cost.blocks * gemms;
-  const double square = 2 * cost.packed_elements * sd / rate + cost.blocks * gemms;
-  const double update = 2 * sd * sd * ld / rate + gemms;
-  // Each unpacking reads the triangle in float32 and writes the whole matrix.
-  const double unpack = 2 * (4 * cost.packed_elements + machine.element_bytes * sd * sd) /
-                        machine.memory_bytes_per_second;
-  cost.other_seconds = square + update + unpack;
+  cost.blocks = products.blocks;
+  cost.packed_elements = products.packed_elements;
+  cost.last_block_elements = products.last_block_elements;
+  cost.gram_seconds = products.gram;
+  cost.other_seconds = products.square + products.apply + 2 * products.unpack;
   return cost;
 }
 
@@ -49,27 +69,22 @@ double estimate_local_seconds(const NsCostInputs& inputs, const MachineModel& ma
 
 double estimate_local_gram_iteration_seconds(const NsCostInputs& inputs, int restart_every,
                                              const MachineModel& machine) {
-  const int64_t s = padded_extent(std::min(inputs.layout.rows(), inputs.layout.cols()));
-  const int64_t length = padded_extent(std::max(inputs.layout.rows(), inputs.layout.cols()));
-  const SymmetricTiles tiles = SymmetricTiles::split(s, machine.symmetric_block_target);
-  const double rate = machine.gemm_flops_per_second, gemms = machine.seconds_per_gemm;
-  const double packed = static_cast<double>(tiles.packed_elements());
-  const double sd = static_cast<double>(s), ld = static_cast<double>(length);
-  const double unpack =
-      2 * (4 * packed + machine.element_bytes * sd * sd) / machine.memory_bytes_per_second;
-  // A symmetric s x s x s product (lower block columns) and its unpacking.
-  const double square = 2 * packed * sd / rate + tiles.blocks() * gemms + unpack;
-  const double gram = 2 * packed * ld / rate + tiles.blocks() * gemms + unpack;
-  const double apply = 2 * sd * sd * ld / rate + gemms;
+  const int64_t s = std::min(inputs.layout.rows(), inputs.layout.cols());
+  const ProductCosts products =
+      product_costs(s, std::max(inputs.layout.rows(), inputs.layout.cols()), machine);
+  // Every symmetric product is unpacked for the next; M = Q is a copy of Q.
+  const double square = products.square + products.unpack;
+  const double gram = products.gram + products.unpack;
+  const double sd = static_cast<double>(padded_extent(s));
   const double copy = 2 * machine.element_bytes * sd * sd / machine.memory_bytes_per_second;
   const int restart = std::max(1, restart_every);
   double seconds = 0.0;
   for (int k = 0; k < inputs.iterations; ++k) {
     const bool first = k % restart == 0;
     const bool last = k + 1 == inputs.iterations || (k + 1) % restart == 0;
-    seconds += square;                        // Q = a I + b R + c R R
-    seconds += first ? gram + copy : square;  // R from X and M = Q, or M <- Q M
-    seconds += last ? apply : 2 * square;     // X <- M X, or R <- Q (R Q)
+    seconds += square;                              // Q = a I + b R + c R R
+    seconds += first ? gram + copy : square;        // R from X and M = Q, or M <- Q M
+    seconds += last ? products.apply : 2 * square;  // X <- M X, or R <- Q (R Q)
   }
   return seconds;
 }

@@ -63,25 +63,31 @@ Parameter make_parameter(int64_t rows, int64_t cols, shardmuon_dtype dtype,
   return p;
 }
 
+// A parameter's buffers on this rank as the C API describes them.
+shardmuon_muon_param describe(const Parameter& q, const Group& group) {
+  shardmuon_muon_param api{};
+  api.param = q.w_buffer.data();
+  api.grad = q.has_grad ? q.g_buffer.data() : nullptr;
+  api.no_grad = q.has_grad ? 0 : 1;
+  api.momentum = q.m_buffer.data();
+  api.dtype = q.dtype;
+  api.layout = q.layout(group.size);
+  api.group = q.group;
+  api.row_blocks = q.row_blocks;
+  return api;
+}
+
 // Uploads each parameter's shards on this rank (weights, momentum and the gradient of step
 // `step`) and describes them for the C API.
 std::vector<shardmuon_muon_param> upload_parameters(std::vector<Parameter>& params,
                                                     const Group& group, int step = 0) {
   const Harness& harness = Harness::get();
-  std::vector<shardmuon_muon_param> api(params.size());
-  for (size_t i = 0; i < params.size(); ++i) {
-    Parameter& q = params[i];
+  std::vector<shardmuon_muon_param> api;
+  for (Parameter& q : params) {
     q.w_buffer = harness.upload(to_bytes(q.shard(q.w, group.rank), q.dtype));
     q.m_buffer = harness.upload(to_bytes(q.shard(q.m, group.rank), q.dtype));
     q.g_buffer = harness.upload(to_bytes(q.shard(q.grads[step], group.rank), q.dtype));
-    api[i].param = q.w_buffer.data();
-    api[i].grad = q.has_grad ? q.g_buffer.data() : nullptr;
-    api[i].no_grad = q.has_grad ? 0 : 1;
-    api[i].momentum = q.m_buffer.data();
-    api[i].dtype = q.dtype;
-    api[i].layout = q.layout(group.size);
-    api[i].group = q.group;
-    api[i].row_blocks = q.row_blocks;
+    api.push_back(describe(q, group));
   }
   return api;
 }
@@ -140,19 +146,10 @@ void run_and_compare(const Group& group, StepRun& run, int steps, const std::str
       groups.push_back(to_api(run.reference_groups[g], run.schedules[g], run.iterations[g]));
       groups.back().ns.algorithm = run.algorithm;
     }
-    std::vector<shardmuon_muon_param> api(run.params.size());
-    std::vector<shardmuon_layout> layouts;
-    for (size_t i = 0; i < run.params.size(); ++i) {
-      Parameter& p = run.params[i];
+    std::vector<shardmuon_muon_param> api;
+    for (Parameter& p : run.params) {
       p.g_buffer = harness.upload(to_bytes(p.shard(p.grads[s], group.rank), p.dtype));
-      api[i].param = p.w_buffer.data();
-      api[i].grad = p.has_grad ? p.g_buffer.data() : nullptr;
-      api[i].no_grad = p.has_grad ? 0 : 1;
-      api[i].momentum = p.m_buffer.data();
-      api[i].dtype = p.dtype;
-      api[i].layout = p.layout(group.size);
-      api[i].group = p.group;
-      api[i].row_blocks = p.row_blocks;
+      api.push_back(describe(p, group));
       if (p.has_grad) {
         ReferenceGroup reference = run.reference_groups[p.group];
         if (reference.coefficients.empty()) {
