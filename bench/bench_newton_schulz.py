@@ -7,7 +7,9 @@ on the same inputs, in the same run, with every result checked against float64.
 One process per GPU. Rows of the table:
   - 1 GPU: each rank orthogonalizes a whole matrix on its own GPU. Baseline: torch.optim.Muon's
     Newton-Schulz (its own function for bf16 quintic; the same code form, A = X X^T,
-    B = b A + c A A, X = a X + B X, for other dtypes and schedules).
+    B = b A + c A A, X = a X + B X, for other dtypes and schedules). That function takes one
+    (a, b, c) for all steps, so it runs the quintic schedule's first step five times: the
+    same flops, another iteration; its error is against a float64 run of that iteration.
   - 2 GPUs, sharded along dim 0 or 1 (uneven where the extent is odd). Baselines:
     all-gather then the torch Newton-Schulz on every rank ("all-gather"), and the
     per-iteration Gram all-reduce in PyTorch ("gram": A_r = X_r X_r^T, all_reduce(A), on
@@ -285,7 +287,12 @@ def main():
                     return torch_newton_schulz(matrix, coefficients, dtype)
 
                 torch_ms = timer.median_ms(lambda: None, torch_one, across_ranks=False)
-                torch_error = relative_error(torch_one(), reference)
+                # torch.optim.Muon's function takes one (a, b, c) for every step: it runs the
+                # schedule's first step `steps` times (the same flops), so its error is measured
+                # against a float64 run of that iteration.
+                own_reference = (torch_newton_schulz(matrix.double(), [coefficients[0]] * steps, torch.float64)
+                                 if use_own else reference)
+                torch_error = relative_error(torch_one(), own_reference)
                 compute, comm = floor_ms(s, length, steps, rates, dtype_name, 1, "local")
                 passes = error <= tolerance
                 failures += 0 if passes else 1

@@ -57,11 +57,14 @@ __global__ void divide_by_norm_kernel(const T* x, T* y, int64_t count, const flo
   }
 }
 
-// One 32 x 32 tile pair of unpack_symmetric: tile (I, J) of the lower triangle (I >= J,
-// in tiles) is read once from the packed block columns (coalesced down its columns) and
-// written to its own place and, transposed through shared memory, to tile (J, I). On a
-// diagonal tile the entries above the diagonal come from their mirror images below it, so
-// the result is exactly symmetric.
+// unpack_symmetric, one 64 x 64 tile pair per thread block: tile (I, J) of the lower triangle
+// (I >= J, in tiles; the grid holds only those) is read once from the packed block columns,
+// two rows per thread (8-byte loads down its columns), and written to its own place and,
+// transposed through shared memory, to tile (J, I), two rows per thread again. On a diagonal
+// tile the entries above the diagonal come from their mirror images below it, so the result
+// is exactly symmetric. The side n is even (the products' sides are multiples of 8), so a
+// row pair never straddles the edge, and every pair starts at an even index of the packed
+// layout (its block starts, widths and heights are even) and of dst.
 struct PackedTriangle {
   static constexpr int kMaxBlocks = 64;
   int64_t n;
@@ -69,45 +72,90 @@ struct PackedTriangle {
   int64_t starts[kMaxBlocks + 1];
   int64_t offsets[kMaxBlocks + 1];
 
-  // Where entry (r, c), r >= c, of the lower triangle is kept.
-  __device__ int64_t index(int64_t r, int64_t c) const {
+  // Where column c's entry of row r >= starts[j] is kept is column_base(c) + r.
+  __device__ int64_t column_base(int64_t c) const {
     int j = 0;
     while (c >= starts[j + 1]) ++j;
-    return offsets[j] + (r - starts[j]) + (c - starts[j]) * (n - starts[j]);
+    return offsets[j] + (c - starts[j]) * (n - starts[j]) - starts[j];
   }
 };
 
-constexpr int kTile = 32;
-constexpr int kTileRowsPerPass = 8;
+constexpr int kTile = 64;
+constexpr int kThreadsX = 32;  // times two rows: a tile column
+constexpr int kThreadsY = 8;   // columns per pass
 
-template <typename Source, typename Destination>
-__global__ void unpack_symmetric_kernel(const Source* packed, PackedTriangle layout,
-                                        Destination* dst, float shift) {
-  const int64_t tile_row = blockIdx.x, tile_col = blockIdx.y;
-  if (tile_col > tile_row) return;
-  __shared__ float tile[kTile][kTile + 1];  // [row][col]; +1 avoids bank conflicts
+template <typename T>
+struct Pair;
+template <>
+struct Pair<float> {
+  using type = float2;
+  __device__ static type make(float x, float y) { return make_float2(x, y); }
+};
+template <>
+struct Pair<__nv_bfloat16> {
+  using type = __nv_bfloat162;
+  __device__ static type make(float x, float y) { return __floats2bfloat162_rn(x, y); }
+};
+
+template <typename Destination>
+__device__ __forceinline__ void store_pair(Destination* dst, int64_t index, float x, float y) {
+  *reinterpret_cast<typename Pair<Destination>::type*>(dst + index) = Pair<Destination>::make(x, y);
+}
+
+template <typename Destination>
+__global__ void __launch_bounds__(kThreadsX* kThreadsY)
+    unpack_symmetric_kernel(const float* packed, PackedTriangle layout, Destination* dst,
+                            float shift) {
+  // Lower-triangle tile k = I (I + 1) / 2 + J.
+  const int64_t k = blockIdx.x;
+  int64_t tile_row = static_cast<int64_t>((sqrt(8.0 * static_cast<double>(k) + 1.0) - 1.0) / 2.0);
+  while (tile_row * (tile_row + 1) / 2 > k) --tile_row;
+  while ((tile_row + 1) * (tile_row + 2) / 2 <= k) ++tile_row;
+  const int64_t tile_col = k - tile_row * (tile_row + 1) / 2;
+
+  __shared__ float tile[kTile][kTile + 1];  // [column][row] of the lower tile (I, J)
+  __shared__ int64_t column_bases[kTile];
   const int64_t n = layout.n;
   const int64_t row0 = tile_row * kTile, col0 = tile_col * kTile;
-  const int64_t r = row0 + threadIdx.x;
-  for (int y = threadIdx.y; y < kTile; y += kTileRowsPerPass) {
+  const int thread = threadIdx.y * kThreadsX + threadIdx.x;
+  if (thread < kTile && col0 + thread < n) column_bases[thread] = layout.column_base(col0 + thread);
+  __syncthreads();
+
+  const int row_in_tile = 2 * threadIdx.x;
+  const int64_t r = row0 + row_in_tile;  // this thread's rows are r and r + 1
+  for (int y = threadIdx.y; y < kTile; y += kThreadsY) {
     const int64_t c = col0 + y;
-    tile[threadIdx.x][y] = r < n && c < n && r >= c ? to_float(packed[layout.index(r, c)]) : 0.0f;
+    if (r >= n || c >= n || r + 1 < c) continue;  // outside, or above the diagonal
+    const float* column = packed + column_bases[y];
+    if (r >= c) {
+      const float2 pair = *reinterpret_cast<const float2*>(column + r);
+      tile[y][row_in_tile] = pair.x;
+      tile[y][row_in_tile + 1] = pair.y;
+    } else {  // r + 1 == c: only the second row is on or below the diagonal
+      tile[y][row_in_tile + 1] = column[r + 1];
+    }
   }
   __syncthreads();
-  for (int y = threadIdx.y; y < kTile; y += kTileRowsPerPass) {
+
+  // Tile (I, J) in place: column c, rows r and r + 1; above the diagonal (diagonal tiles
+  // only, where row0 == col0) the mirror entry tile[row][column].
+  for (int y = threadIdx.y; y < kTile; y += kThreadsY) {
     const int64_t c = col0 + y;
     if (r >= n || c >= n) continue;
-    // r < c only on a diagonal tile, where row0 == col0 and the mirror is tile[y][x].
-    float value = r >= c ? tile[threadIdx.x][y] : tile[y][threadIdx.x];
-    if (r == c) value += shift;
-    dst[c * n + r] = from_accumulate<Destination>(value);
+    float first = r >= c ? tile[y][row_in_tile] : tile[row_in_tile][y];
+    float second = r + 1 >= c ? tile[y][row_in_tile + 1] : tile[row_in_tile + 1][y];
+    if (r == c) first += shift;
+    if (r + 1 == c) second += shift;
+    store_pair(dst, c * n + r, first, second);
   }
   if (tile_row == tile_col) return;
-  for (int y = threadIdx.y; y < kTile; y += kTileRowsPerPass) {
-    const int64_t upper_row = col0 + threadIdx.x, upper_col = row0 + y;
-    if (upper_row < n && upper_col < n) {
-      dst[upper_col * n + upper_row] = from_accumulate<Destination>(tile[y][threadIdx.x]);
-    }
+  // Its mirror (J, I): column row0 + y, rows col0 + 2x and col0 + 2x + 1, which hold the
+  // lower entries (row0 + y, col0 + 2x) and (row0 + y, col0 + 2x + 1).
+  const int64_t upper_row = col0 + row_in_tile;
+  for (int y = threadIdx.y; y < kTile; y += kThreadsY) {
+    const int64_t upper_col = row0 + y;
+    if (upper_row >= n || upper_col >= n) continue;
+    store_pair(dst, upper_col * n + upper_row, tile[row_in_tile][y], tile[row_in_tile + 1][y]);
   }
 }
 
@@ -170,6 +218,9 @@ void unpack_symmetric_cuda(const void* packed, shardmuon_dtype src_type,
          PackedTriangle::kMaxBlocks, " blocks, not ", tiles.blocks());
   }
   if (tiles.n == 0) return;
+  if (tiles.n % 2 != 0) {
+    fail(SHARDMUON_ERROR_INTERNAL, "unpack_symmetric_cuda takes an even side, not ", tiles.n);
+  }
   PackedTriangle layout{};
   layout.n = tiles.n;
   layout.blocks = tiles.blocks();
@@ -178,9 +229,12 @@ void unpack_symmetric_cuda(const void* packed, shardmuon_dtype src_type,
     layout.offsets[j] = tiles.offset(j);
   }
   const int64_t tile_count = (tiles.n + kTile - 1) / kTile;
-  if (tile_count > 65535) fail(SHARDMUON_ERROR_UNSUPPORTED, "matrix side ", tiles.n, " too large");
-  const dim3 grid(static_cast<unsigned int>(tile_count), static_cast<unsigned int>(tile_count));
-  const dim3 block(kTile, kTileRowsPerPass);
+  const int64_t lower_tiles = tile_count * (tile_count + 1) / 2;
+  if (lower_tiles > int64_t{0x7fffffff}) {
+    fail(SHARDMUON_ERROR_UNSUPPORTED, "matrix side ", tiles.n, " too large");
+  }
+  const dim3 grid(static_cast<unsigned int>(lower_tiles));
+  const dim3 block(kThreadsX, kThreadsY);
   const float* source = static_cast<const float*>(packed);
   if (dst_type == SHARDMUON_FLOAT32) {
     unpack_symmetric_kernel<<<grid, block, 0, stream>>>(source, layout, static_cast<float*>(dst),
