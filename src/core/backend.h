@@ -20,7 +20,9 @@ using Stream = void*;
 // D = alpha * op(A) * op(B) + beta * C, all matrices column-major (BLAS convention):
 // op(A) is m x k, op(B) is k x n, C and D are m x n. A and B share one element type,
 // C and D another; products accumulate in float64 for float64 operands, float32 otherwise.
-// beta == 0 means C is not read. D must not alias A or B; it may alias C.
+// beta == 0 means C is not read. D must not alias A or B; it may alias C. With batch > 1, the
+// call is `batch` such products, matrix i of each operand at i * stride elements from its
+// pointer (a strided batch: many small matrices in one launch).
 struct GemmCall {
   bool transpose_a = false, transpose_b = false;
   int64_t m = 0, n = 0, k = 0;
@@ -35,6 +37,8 @@ struct GemmCall {
   int64_t ldd = 0;
   shardmuon_dtype ab_type = SHARDMUON_FLOAT32;
   shardmuon_dtype cd_type = SHARDMUON_FLOAT32;
+  int64_t batch = 1;
+  int64_t stride_a = 0, stride_b = 0, stride_c = 0, stride_d = 0;
   // The product runs while a collective on another stream needs SMs: a backend may leave
   // some free for it (the CUDA backend's GEMMs can otherwise hold every SM until they end).
   bool overlaps_communication = false;
@@ -112,15 +116,19 @@ class Backend {
   virtual void* allocate_zeroed(size_t bytes) = 0;
   virtual void release(void* pointer) = 0;
 
-  // Scratch bytes that sum_of_squares needs for count elements.
-  virtual size_t sum_of_squares_scratch_bytes(shardmuon_dtype dtype, int64_t count) const = 0;
-  // *result (one value of accumulate_dtype(dtype)) = sum of x[i]^2, deterministic.
-  virtual void sum_of_squares(const void* x, shardmuon_dtype dtype, int64_t count, void* result,
-                              void* scratch, size_t scratch_bytes, Stream stream) = 0;
-  // y = x / max(sqrt(*sum_of_squares), eps), reading the sum where it lies (no host round
-  // trip). A zero sum gives y = 0, never NaN. x and y may alias.
+  // The reductions and the division below take `batch` vectors of count elements each, one
+  // after another (matrices of a strided batch).
+  // Scratch bytes that sum_of_squares needs.
+  virtual size_t sum_of_squares_scratch_bytes(shardmuon_dtype dtype, int64_t count,
+                                              int64_t batch) const = 0;
+  // result[b] (values of accumulate_dtype(dtype)) = sum of x[b * count + i]^2, deterministic.
+  virtual void sum_of_squares(const void* x, shardmuon_dtype dtype, int64_t count, int64_t batch,
+                              void* result, void* scratch, size_t scratch_bytes, Stream stream) = 0;
+  // y = x / max(sqrt(sum_of_squares[b]), eps) for vector b, reading the sums where they lie
+  // (no host round trip). A zero sum gives y = 0, never NaN. x and y may alias.
   virtual void divide_by_norm(const void* x, void* y, shardmuon_dtype dtype, int64_t count,
-                              const void* sum_of_squares, double eps, Stream stream) = 0;
+                              int64_t batch, const void* sum_of_squares, double eps,
+                              Stream stream) = 0;
 
   virtual void gemm(const GemmCall& call, Stream stream) = 0;
 
@@ -143,10 +151,11 @@ class Backend {
   // dst (n x n, column-major, dst_type) = the symmetric matrix whose lower block columns
   // `packed` (src_type) holds in the layout of `tiles`, plus shift * I, rounded once to
   // nearest even. The lower triangle is the truth: dst is exactly symmetric. dst must not
-  // overlap packed.
+  // overlap packed. For a batch, matrix b is at b * tiles.packed_elements() in packed and at
+  // b * n * n in dst.
   virtual void unpack_symmetric(const void* packed, shardmuon_dtype src_type,
-                                const SymmetricTiles& tiles, void* dst, shardmuon_dtype dst_type,
-                                double shift, Stream stream) = 0;
+                                const SymmetricTiles& tiles, int64_t batch, void* dst,
+                                shardmuon_dtype dst_type, double shift, Stream stream) = 0;
   // A stream for communication that overlaps computation on `stream` (the CUDA backend's
   // own, created once; the CPU backend, which computes before returning, gives `stream`).
   virtual Stream side_stream(Stream stream) = 0;

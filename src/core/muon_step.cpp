@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <limits>
 #include <utility>
 
@@ -417,6 +418,54 @@ size_t exchanged_bytes(const OwnedMatrix& m, int rank) {
   return m.ns.layout.local_elements(rank) * element_size(m.ns.dtype);
 }
 
+// Newton-Schulz batches (NsProblem::batch): consecutive matrices with the same problem on one
+// rank that lie one after another in memory run as one strided batch, so that thousands of
+// small matrices (experts) cost a few launches per product instead of a few per matrix. A
+// batch holds at most as many as fit kBatchScratchBytes of scratch (large matrices run one
+// at a time: batching them saves nothing).
+constexpr size_t kBatchScratchBytes = size_t{256} << 20;
+
+bool batchable_together(const NsProblem& a, const NsProblem& b) {
+  auto same = [](const Coefficients& x, const Coefficients& y) {
+    return x.a == y.a && x.b == y.b && x.c == y.c;
+  };
+  return a.plan.algorithm == NsPlan::Algorithm::kLocal &&
+         b.plan.algorithm == NsPlan::Algorithm::kLocal && a.dtype == b.dtype &&
+         a.layout.rows() == b.layout.rows() && a.layout.cols() == b.layout.cols() &&
+         a.plan.gram_iteration == b.plan.gram_iteration && a.eps == b.eps &&
+         std::equal(a.coefficients.begin(), a.coefficients.end(), b.coefficients.begin(),
+                    b.coefficients.end(), same);
+}
+
+// The largest batch of `one` (1 unless its plan is local). $SHARDMUON_MAX_NS_BATCH caps it
+// (1: every matrix on its own), for comparing in benchmarks; it changes no collective, so
+// ranks may differ in it.
+int64_t batch_limit(const Backend& backend, const NsProblem& one) {
+  if (one.plan.algorithm != NsPlan::Algorithm::kLocal) return 1;
+  int64_t cap = kMaxNsBatch;
+  if (const char* text = std::getenv("SHARDMUON_MAX_NS_BATCH")) {
+    cap = std::atoll(text);
+    SHARDMUON_CHECK_ARG(cap >= 1 && cap <= kMaxNsBatch, "SHARDMUON_MAX_NS_BATCH must be in [1, ",
+                        kMaxNsBatch, "], not '", text, "'");
+  }
+  const size_t bytes = std::max<size_t>(1, newton_schulz_workspace_bytes(backend, one, 0, 1));
+  return std::clamp<int64_t>(static_cast<int64_t>(kBatchScratchBytes / bytes), 1, cap);
+}
+
+NsProblem batch_of(NsProblem one, int64_t count) {
+  one.batch = count;
+  return one;
+}
+
+// The scratch a batch of `one` may need when `available` such matrices could join it: the
+// most matrices a batch of it can have (the scratch grows with the batch).
+size_t batch_scratch_bytes(const Backend& backend, const NsProblem& one, size_t available, int rank,
+                           int ranks) {
+  const int64_t count = std::min<int64_t>(batch_limit(backend, one),
+                                          static_cast<int64_t>(std::max<size_t>(1, available)));
+  return newton_schulz_workspace_bytes(backend, batch_of(one, count), rank, ranks);
+}
+
 // Where a step's buffers lie in the workspace, on one rank (offsets from its start):
 //   flags (checked): the step's, then one per parameter;
 //   new momentum (checked) and the update: one buffer each per parameter with a gradient;
@@ -491,6 +540,9 @@ struct StepLayout {
     }
     std::vector<size_t> results_of(ranks, 0);  // bytes of replicated results per owner
     size_t scratch = 0;
+    const size_t owned_here = static_cast<size_t>(
+        std::count_if(step.owned.begin(), step.owned.end(),
+                      [rank](const OwnedMatrix& m) { return m.owner == rank; }));
     for (size_t k = 0; k < owned; ++k) {
       const OwnedMatrix& m = step.owned[k];
       if (!m.ns.layout.is_sharded()) {
@@ -500,7 +552,7 @@ struct StepLayout {
       }
       if (m.owner != rank) continue;
       layout.matrix[k] = take(whole_bytes(m.whole));
-      scratch = std::max(scratch, newton_schulz_workspace_bytes(backend, m.whole, 0, 1));
+      scratch = std::max(scratch, batch_scratch_bytes(backend, m.whole, owned_here, 0, 1));
     }
     if (layout.gathers) {
       layout.gather_block_bytes = *std::max_element(results_of.begin(), results_of.end());
@@ -513,7 +565,8 @@ struct StepLayout {
         scratch = std::max(scratch, newton_schulz_workspace_bytes(backend, plan.ns, rank, ranks));
       }
       for (const MuonParamPlan::RowBlock& block : plan.row_blocks) {
-        scratch = std::max(scratch, newton_schulz_workspace_bytes(backend, block.ns, rank, ranks));
+        scratch = std::max(
+            scratch, batch_scratch_bytes(backend, block.ns, plan.row_blocks.size(), rank, ranks));
       }
     }
     layout.scratch = offset;
@@ -626,31 +679,43 @@ void run_owner_batch(Backend& backend, Communicator& comm, const ValidatedMuonSt
   if (rounds > 0) exchange_round(0, true);
   backend.order_after(stream, side);
   for (size_t r = 0; r < rounds; ++r) {
-    const auto [first, last] = round_of(rank, r);
-    for (size_t i = first; i < last; ++i) {
-      const size_t k = owned_by[rank][i];
+    // Each whole matrix assembled from its pieces (or copied, replicated), or its result
+    // returned to them.
+    auto move_matrix = [&](size_t k, bool into_matrix) {
       const OwnedMatrix& m = step.owned[k];
       char* matrix = base + layout.matrix[k];
-      const bool sharded = m.ns.layout.is_sharded();
-      auto piece_of = [&](int source) {
-        return source == rank ? own_piece(m) : base + layout.received[k][source];
-      };
-      if (sharded) {
+      if (m.ns.layout.is_sharded()) {
         for (int source = 0; source < ranks; ++source) {
-          move_shard(backend, m, source, piece_of(source), matrix, true, stream);
+          char* piece = source == rank ? own_piece(m) : base + layout.received[k][source];
+          move_shard(backend, m, source, piece, matrix, into_matrix, stream);
         }
-      } else {
+      } else if (into_matrix) {
         copy_bytes(backend, matrix, own_piece(m), whole_bytes(m.ns), stream);
-      }
-      run_newton_schulz(backend, comm, m.whole, matrix, stream, layout.scratch);
-      if (sharded) {
-        for (int source = 0; source < ranks; ++source) {
-          move_shard(backend, m, source, piece_of(source), matrix, false, stream);
-        }
       } else {
         copy_bytes(backend, gathered + rank * layout.gather_block_bytes + layout.result[k], matrix,
                    whole_bytes(m.ns), stream);
       }
+    };
+    // The round's matrices in batches of consecutive ones with the same problem (their whole
+    // matrices lie one after another when their sizes are multiples of the slot alignment).
+    const auto [first, last] = round_of(rank, r);
+    for (size_t i = first; i < last;) {
+      const NsProblem& problem = step.owned[owned_by[rank][i]].whole;
+      const int64_t limit = batch_limit(backend, problem);
+      size_t end = i + 1;
+      while (end < last && static_cast<int64_t>(end - i) < limit) {
+        const size_t k = owned_by[rank][end], previous = owned_by[rank][end - 1];
+        if (!batchable_together(problem, step.owned[k].whole) ||
+            layout.matrix[k] != layout.matrix[previous] + whole_bytes(problem)) {
+          break;
+        }
+        ++end;
+      }
+      for (size_t j = i; j < end; ++j) move_matrix(owned_by[rank][j], true);
+      run_newton_schulz(backend, comm, batch_of(problem, static_cast<int64_t>(end - i)),
+                        base + layout.matrix[owned_by[rank][i]], stream, layout.scratch);
+      for (size_t j = i; j < end; ++j) move_matrix(owned_by[rank][j], false);
+      i = end;
     }
     // The next round's pieces, which the next round's products wait for (and, with them, for
     // the results of the round before this one, sent back meanwhile).
@@ -728,10 +793,22 @@ void run_muon_step(Backend& backend, Communicator& comm, const ValidatedMuonStep
       run_newton_schulz(backend, comm, plan.ns, update, stream, layout.scratch);
       continue;
     }
+    // Stacked matrices on this rank alone (replicated, or a group of one) in batches.
     const size_t element = element_size(plan.ns.dtype);
-    for (const MuonParamPlan::RowBlock& block : plan.row_blocks) {
-      run_newton_schulz(backend, comm, block.ns, update + block.offset * element, stream,
-                        layout.scratch);
+    const std::vector<MuonParamPlan::RowBlock>& blocks = plan.row_blocks;
+    for (size_t b = 0; b < blocks.size();) {
+      const NsProblem& problem = blocks[b].ns;
+      const int64_t limit = batch_limit(backend, problem);
+      size_t end = b + 1;
+      while (end < blocks.size() && static_cast<int64_t>(end - b) < limit &&
+             batchable_together(problem, blocks[end].ns) &&
+             blocks[end].offset ==
+                 blocks[end - 1].offset + problem.layout.rows() * problem.layout.cols()) {
+        ++end;
+      }
+      run_newton_schulz(backend, comm, batch_of(problem, static_cast<int64_t>(end - b)),
+                        update + blocks[b].offset * element, stream, layout.scratch);
+      b = end;
     }
   }
 

@@ -72,9 +72,10 @@ struct IterationBuffers {
   void* product_full;
   void* other_full;
   void* work_packed;
-  void* sum_of_squares;
+  void* sum_of_squares;  // one per matrix of the batch
   void* reduce_scratch;
   size_t reduce_scratch_bytes;
+  int64_t batch = 1;  // each buffer holds this many matrices' worth, one after another
 };
 
 struct IterationSlots {
@@ -83,20 +84,22 @@ struct IterationSlots {
   size_t x0, x1, gram_packed, gram_full, poly_packed, poly_full, sum_of_squares, reduce_scratch;
   size_t product_full, other_full, work_packed;
   size_t reduce_scratch_bytes;
+  int64_t batch = 1;
 
   static IterationSlots reserve(WorkspaceCarver& carver, const Backend& backend,
-                                shardmuon_dtype dtype, const WideBlock& block,
-                                bool gram_iteration) {
+                                shardmuon_dtype dtype, const WideBlock& block, bool gram_iteration,
+                                int64_t batch) {
     const size_t storage = element_size(dtype);
     const size_t accumulate = element_size(accumulate_dtype(dtype));
     IterationSlots slots;
     slots.padded = block.padded();
     const int64_t s = slots.padded.s;
     slots.tiles = SymmetricTiles::split(s, backend.symmetric_block_target());
-    const size_t packed = static_cast<size_t>(slots.tiles.packed_elements());
-    const size_t full = static_cast<size_t>(s * s);
-    slots.x0 = carver.reserve(slots.padded.elements() * storage);
-    slots.x1 = carver.reserve(slots.padded.elements() * storage);
+    slots.batch = batch;
+    const size_t packed = static_cast<size_t>(slots.tiles.packed_elements() * batch);
+    const size_t full = static_cast<size_t>(s * s * batch);
+    slots.x0 = carver.reserve(slots.padded.elements() * batch * storage);
+    slots.x1 = carver.reserve(slots.padded.elements() * batch * storage);
     slots.gram_packed = carver.reserve(packed * accumulate);
     slots.gram_full = carver.reserve(full * storage);
     slots.poly_packed = carver.reserve(packed * accumulate);
@@ -104,8 +107,9 @@ struct IterationSlots {
     slots.product_full = carver.reserve(gram_iteration ? full * storage : 0);
     slots.other_full = carver.reserve(gram_iteration ? full * storage : 0);
     slots.work_packed = carver.reserve(gram_iteration ? packed * accumulate : 0);
-    slots.sum_of_squares = carver.reserve(accumulate);
-    slots.reduce_scratch_bytes = backend.sum_of_squares_scratch_bytes(dtype, block.elements());
+    slots.sum_of_squares = carver.reserve(accumulate * batch);
+    slots.reduce_scratch_bytes =
+        backend.sum_of_squares_scratch_bytes(dtype, block.elements(), batch);
     slots.reduce_scratch = carver.reserve(slots.reduce_scratch_bytes);
     return slots;
   }
@@ -126,6 +130,7 @@ struct IterationSlots {
     buffers.sum_of_squares = carver.pointer(sum_of_squares);
     buffers.reduce_scratch = carver.pointer(reduce_scratch);
     buffers.reduce_scratch_bytes = reduce_scratch_bytes;
+    buffers.batch = batch;
     return buffers;
   }
 };
@@ -141,6 +146,9 @@ void gram_product(Backend& backend, Communicator* comm, shardmuon_dtype dtype,
   const size_t element = element_size(dtype), accumulate_element = element_size(accumulate);
   const SymmetricTiles& tiles = buffers.tiles;
   const Stream side = comm != nullptr ? backend.side_stream(stream) : stream;
+  if (comm != nullptr && buffers.batch != 1) {
+    fail(SHARDMUON_ERROR_INTERNAL, "a batch of matrices runs on one rank only");
+  }
   if (block.length == 0) {  // an empty shard contributes nothing to the sum
     backend.fill_zero(buffers.gram_packed, tiles.packed_elements() * accumulate_element, stream);
   }
@@ -157,6 +165,9 @@ void gram_product(Backend& backend, Communicator* comm, shardmuon_dtype dtype,
       call.cd_type = accumulate;
       call.c = call.d = column;
       call.ldc = call.ldd = tiles.rows(j);
+      call.batch = buffers.batch;
+      call.stride_a = call.stride_b = block.elements();
+      call.stride_c = call.stride_d = tiles.packed_elements();
       call.overlaps_communication = comm != nullptr && j > 0;  // with block j-1's all-reduce
       if (block.long_side_is_cols) {  // operand is X^T (length x s): (X^T)^T X^T
         call.a = call.b = byte_offset(x, tiles.start(j) * block.length * element);
@@ -175,16 +186,17 @@ void gram_product(Backend& backend, Communicator* comm, shardmuon_dtype dtype,
     }
   }
   if (comm != nullptr) backend.order_after(stream, side);
-  backend.unpack_symmetric(buffers.gram_packed, accumulate, tiles, buffers.gram_full, dtype, 0.0,
-                           stream);
+  backend.unpack_symmetric(buffers.gram_packed, accumulate, tiles, buffers.batch, buffers.gram_full,
+                           dtype, 0.0, stream);
 }
 
 // d = alpha A B + beta c on the lower block columns (packed, accumulate dtype), for full s x s
 // operands A and B (storage dtype) whose product is symmetric: A A, or products of
-// polynomials in the same Gram matrix, which commute.
+// polynomials in the same Gram matrix, which commute. Over a batch, matrix i of each is i full
+// (or packed) matrices on.
 void symmetric_product(Backend& backend, shardmuon_dtype dtype, const SymmetricTiles& tiles,
-                       const void* a, const void* b, double alpha, double beta, const void* c,
-                       void* d, Stream stream) {
+                       int64_t batch, const void* a, const void* b, double alpha, double beta,
+                       const void* c, void* d, Stream stream) {
   const shardmuon_dtype accumulate = accumulate_dtype(dtype);
   const size_t element = element_size(dtype), accumulate_element = element_size(accumulate);
   const int64_t s = tiles.n;
@@ -206,6 +218,9 @@ void symmetric_product(Backend& backend, shardmuon_dtype dtype, const SymmetricT
     call.d = byte_offset(d, packed_offset);
     call.ldc = call.ldd = tiles.rows(j);
     call.cd_type = accumulate;
+    call.batch = batch;
+    call.stride_a = call.stride_b = s * s;
+    call.stride_c = call.stride_d = tiles.packed_elements();
     backend.gemm(call, stream);
   }
 }
@@ -219,19 +234,23 @@ void symmetric_product(Backend& backend, shardmuon_dtype dtype, const SymmetricT
 // on its own would lose up to 35x more accuracy than rounding P, whose size is the result's.
 void gram_polynomial(Backend& backend, shardmuon_dtype dtype, const Coefficients& coefficients,
                      const IterationBuffers& buffers, Stream stream) {
-  symmetric_product(backend, dtype, buffers.tiles, buffers.gram_full, buffers.gram_full,
-                    coefficients.c, coefficients.b, buffers.gram_packed, buffers.poly_packed,
-                    stream);
+  symmetric_product(backend, dtype, buffers.tiles, buffers.batch, buffers.gram_full,
+                    buffers.gram_full, coefficients.c, coefficients.b, buffers.gram_packed,
+                    buffers.poly_packed, stream);
   backend.unpack_symmetric(buffers.poly_packed, accumulate_dtype(dtype), buffers.tiles,
-                           buffers.poly_full, dtype, coefficients.a, stream);
+                           buffers.batch, buffers.poly_full, dtype, coefficients.a, stream);
 }
 
 // x_next = P X for this block's columns of X (P is symmetric, so in the transposed view
 // X^T P = (P X)^T).
 void apply_polynomial(Backend& backend, shardmuon_dtype dtype, const WideBlock& block,
-                      const void* poly_storage, const void* x, void* x_next, Stream stream) {
+                      int64_t batch, const void* poly_storage, const void* x, void* x_next,
+                      Stream stream) {
   if (block.length == 0) return;
   GemmCall call;
+  call.batch = batch;
+  const int64_t x_stride = block.elements(), poly_stride = block.s * block.s;
+  call.stride_c = call.stride_d = x_stride;
   call.alpha = 1.0;
   call.beta = 0.0;
   call.ab_type = call.cd_type = dtype;
@@ -241,16 +260,20 @@ void apply_polynomial(Backend& backend, shardmuon_dtype dtype, const WideBlock& 
     call.m = block.length;
     call.n = call.k = block.s;
     call.a = x;
+    call.stride_a = x_stride;
     call.lda = block.length;
     call.b = poly_storage;
+    call.stride_b = poly_stride;
     call.ldb = block.s;
     call.ldc = call.ldd = block.length;
   } else {  // X_next (s x length) = P X
     call.m = call.k = block.s;
     call.n = block.length;
     call.a = poly_storage;
+    call.stride_a = poly_stride;
     call.lda = block.s;
     call.b = x;
+    call.stride_b = x_stride;
     call.ldb = block.s;
     call.ldc = call.ldd = block.s;
   }
@@ -268,7 +291,8 @@ const void* iterate_on_x(Backend& backend, Communicator* comm, const NsProblem& 
     void* x_next = k + 1 == iterations && !staged ? data : buffers.x[(k + 1) % 2];
     gram_product(backend, comm, problem.dtype, padded, x, buffers, stream);
     gram_polynomial(backend, problem.dtype, problem.coefficients[k], buffers, stream);
-    apply_polynomial(backend, problem.dtype, padded, buffers.poly_full, x, x_next, stream);
+    apply_polynomial(backend, problem.dtype, padded, buffers.batch, buffers.poly_full, x, x_next,
+                     stream);
     x = x_next;
   }
   return x;
@@ -289,7 +313,8 @@ const void* iterate_on_gram(Backend& backend, Communicator* comm, const NsProble
   const size_t iterations = problem.coefficients.size();
   const size_t restart =
       static_cast<size_t>(gram_iteration_restart(dtype, static_cast<int>(iterations)));
-  const size_t full_bytes = static_cast<size_t>(padded.s * padded.s) * element_size(dtype);
+  const int64_t batch = buffers.batch;
+  const size_t full_bytes = static_cast<size_t>(padded.s * padded.s * batch) * element_size(dtype);
   void* m = buffers.product_full;
   const void* x = buffers.x[0];
   int next_x = 1;
@@ -301,24 +326,25 @@ const void* iterate_on_gram(Backend& backend, Communicator* comm, const NsProble
     if (first) {                                                                // M = Q
       backend.copy_2d(m, full_bytes, buffers.poly_full, full_bytes, full_bytes, 1, stream);
     } else {  // M <- Q M
-      symmetric_product(backend, dtype, tiles, buffers.poly_full, m, 1.0, 0.0, nullptr,
+      symmetric_product(backend, dtype, tiles, batch, buffers.poly_full, m, 1.0, 0.0, nullptr,
                         buffers.work_packed, stream);
-      backend.unpack_symmetric(buffers.work_packed, accumulate, tiles, m, dtype, 0.0, stream);
+      backend.unpack_symmetric(buffers.work_packed, accumulate, tiles, batch, m, dtype, 0.0,
+                               stream);
     }
     if (!last) {  // R <- Q (R Q)
-      symmetric_product(backend, dtype, tiles, buffers.gram_full, buffers.poly_full, 1.0, 0.0,
-                        nullptr, buffers.work_packed, stream);
-      backend.unpack_symmetric(buffers.work_packed, accumulate, tiles, buffers.other_full, dtype,
-                               0.0, stream);
-      symmetric_product(backend, dtype, tiles, buffers.poly_full, buffers.other_full, 1.0, 0.0,
-                        nullptr, buffers.gram_packed, stream);
-      backend.unpack_symmetric(buffers.gram_packed, accumulate, tiles, buffers.gram_full, dtype,
-                               0.0, stream);
+      symmetric_product(backend, dtype, tiles, batch, buffers.gram_full, buffers.poly_full, 1.0,
+                        0.0, nullptr, buffers.work_packed, stream);
+      backend.unpack_symmetric(buffers.work_packed, accumulate, tiles, batch, buffers.other_full,
+                               dtype, 0.0, stream);
+      symmetric_product(backend, dtype, tiles, batch, buffers.poly_full, buffers.other_full, 1.0,
+                        0.0, nullptr, buffers.gram_packed, stream);
+      backend.unpack_symmetric(buffers.gram_packed, accumulate, tiles, batch, buffers.gram_full,
+                               dtype, 0.0, stream);
       continue;
     }
     // X <- M X, at a restart or at the end.
     void* x_next = k + 1 == iterations && !staged ? data : buffers.x[next_x];
-    apply_polynomial(backend, dtype, padded, m, x, x_next, stream);
+    apply_polynomial(backend, dtype, padded, batch, m, x, x_next, stream);
     x = x_next;
     next_x = 1 - next_x;
   }
@@ -333,13 +359,13 @@ void iterate_on_block(Backend& backend, Communicator* comm, const NsProblem& pro
                       Stream stream) {
   const shardmuon_dtype dtype = problem.dtype;
   const shardmuon_dtype accumulate = accumulate_dtype(dtype);
-  const int64_t count = block.elements();
+  const int64_t count = block.elements(), batch = buffers.batch;
 
   if (count > 0) {
-    backend.sum_of_squares(data, dtype, count, buffers.sum_of_squares, buffers.reduce_scratch,
-                           buffers.reduce_scratch_bytes, stream);
+    backend.sum_of_squares(data, dtype, count, batch, buffers.sum_of_squares,
+                           buffers.reduce_scratch, buffers.reduce_scratch_bytes, stream);
   } else {
-    backend.fill_zero(buffers.sum_of_squares, element_size(accumulate), stream);
+    backend.fill_zero(buffers.sum_of_squares, element_size(accumulate) * batch, stream);
   }
   if (comm != nullptr) comm->all_reduce_sum(buffers.sum_of_squares, 1, accumulate, stream);
   // Unless the block is aligned already, X is staged in the padded block (zero outside
@@ -347,18 +373,34 @@ void iterate_on_block(Backend& backend, Communicator* comm, const NsProblem& pro
   const WideBlock& padded = buffers.padded;
   const bool staged = !(padded == block);
   const size_t element = element_size(dtype);
-  if (staged) {
-    backend.fill_zero(buffers.x[0], padded.elements() * element, stream);
-    if (count > 0) {
-      backend.copy_2d(buffers.x[0], padded.storage_cols() * element, data,
-                      block.storage_cols() * element, block.storage_cols() * element,
-                      block.storage_rows(), stream);
+  // Between the caller's matrices and the padded ones, either way: the whole batch in one
+  // pitched copy when only the columns are padded (its rows then follow each other at both
+  // pitches), else matrix by matrix.
+  auto copy_batch = [&](void* dst, int64_t dst_cols, const void* src, int64_t src_cols,
+                        int64_t dst_stride, int64_t src_stride) {
+    const size_t row_bytes = block.storage_cols() * element;
+    if (padded.storage_rows() == block.storage_rows()) {
+      backend.copy_2d(dst, dst_cols * element, src, src_cols * element, row_bytes,
+                      block.storage_rows() * batch, stream);
+      return;
     }
-    backend.divide_by_norm(buffers.x[0], buffers.x[0], dtype, padded.elements(),
+    for (int64_t i = 0; i < batch; ++i) {
+      backend.copy_2d(static_cast<char*>(dst) + i * dst_stride * element, dst_cols * element,
+                      static_cast<const char*>(src) + i * src_stride * element, src_cols * element,
+                      row_bytes, block.storage_rows(), stream);
+    }
+  };
+  if (staged) {
+    backend.fill_zero(buffers.x[0], padded.elements() * batch * element, stream);
+    if (count > 0) {
+      copy_batch(buffers.x[0], padded.storage_cols(), data, block.storage_cols(), padded.elements(),
+                 count);
+    }
+    backend.divide_by_norm(buffers.x[0], buffers.x[0], dtype, padded.elements(), batch,
                            buffers.sum_of_squares, problem.eps, stream);
   } else if (count > 0) {
-    backend.divide_by_norm(data, buffers.x[0], dtype, count, buffers.sum_of_squares, problem.eps,
-                           stream);
+    backend.divide_by_norm(data, buffers.x[0], dtype, count, batch, buffers.sum_of_squares,
+                           problem.eps, stream);
   }
 
   // The iterates alternate between the two scratch buffers; unstaged, the last one lands
@@ -367,8 +409,7 @@ void iterate_on_block(Backend& backend, Communicator* comm, const NsProblem& pro
                       ? iterate_on_gram(backend, comm, problem, buffers, data, staged, stream)
                       : iterate_on_x(backend, comm, problem, buffers, data, staged, stream);
   if (staged && count > 0) {
-    backend.copy_2d(data, block.storage_cols() * element, x, padded.storage_cols() * element,
-                    block.storage_cols() * element, block.storage_rows(), stream);
+    copy_batch(data, block.storage_cols(), x, padded.storage_cols(), count, padded.elements());
   }
 }
 
@@ -457,8 +498,9 @@ struct Scratch {
         }
         break;
     }
-    scratch.iteration = IterationSlots::reserve(scratch.carver, backend, problem.dtype,
-                                                scratch.block, problem.plan.gram_iteration);
+    scratch.iteration =
+        IterationSlots::reserve(scratch.carver, backend, problem.dtype, scratch.block,
+                                problem.plan.gram_iteration, problem.batch);
     return scratch;
   }
 
@@ -639,6 +681,11 @@ size_t newton_schulz_workspace_bytes(const Backend& backend, const NsProblem& pr
 
 void run_newton_schulz(Backend& backend, Communicator& comm, const NsProblem& problem,
                        void* local_shard, Stream stream, size_t workspace_offset) {
+  if (problem.batch < 1 || problem.batch > kMaxNsBatch ||
+      (problem.batch > 1 && problem.plan.algorithm != NsPlan::Algorithm::kLocal)) {
+    fail(SHARDMUON_ERROR_INTERNAL, "a batch of ", problem.batch, " matrices (batches are of 1 to ",
+         kMaxNsBatch, " matrices, on one rank)");
+  }
   Scratch scratch = Scratch::lay_out(backend, problem, comm.rank(), comm.size());
   char* base = static_cast<char*>(
       backend.workspace(workspace_offset + scratch.carver.total_bytes(), stream));

@@ -57,7 +57,14 @@ struct NsProblem {
   std::vector<Coefficients> coefficients;  // one per iteration
   double eps = 0.0;
   NsPlan plan;
+  // LOCAL plans only: `batch` matrices of this layout one after another in the buffer
+  // (rows * cols elements apart), each orthogonalized on its own with every product a
+  // strided batch: one launch per product for many small matrices (experts).
+  int64_t batch = 1;
 };
+
+// The most matrices in one batch (the CUDA kernels put a batch along a grid dimension).
+constexpr int64_t kMaxNsBatch = 4096;
 
 // Bytes of workspace run_newton_schulz needs on this rank of a group of `ranks`.
 size_t newton_schulz_workspace_bytes(const Backend& backend, const NsProblem& problem, int rank,

@@ -66,41 +66,65 @@ class CpuBackend final : public Backend {
   }
   void release(void* pointer) override { std::free(pointer); }
 
-  size_t sum_of_squares_scratch_bytes(shardmuon_dtype, int64_t) const override { return 0; }
-
-  void sum_of_squares(const void* x, shardmuon_dtype dtype, int64_t count, void* result, void*,
-                      size_t, Stream) override {
-    double sum = 0;
-    for (int64_t i = 0; i < count; ++i) {
-      const double value = load_element(x, dtype, i);
-      sum += value * value;
-    }
-    store_element(result, accumulate_dtype(dtype), 0, sum);
+  size_t sum_of_squares_scratch_bytes(shardmuon_dtype, int64_t, int64_t) const override {
+    return 0;
   }
 
-  void divide_by_norm(const void* x, void* y, shardmuon_dtype dtype, int64_t count,
+  void sum_of_squares(const void* x, shardmuon_dtype dtype, int64_t count, int64_t batch,
+                      void* result, void*, size_t, Stream) override {
+    for (int64_t b = 0; b < batch; ++b) {
+      double sum = 0;
+      for (int64_t i = b * count; i < (b + 1) * count; ++i) {
+        const double value = load_element(x, dtype, i);
+        sum += value * value;
+      }
+      store_element(result, accumulate_dtype(dtype), b, sum);
+    }
+  }
+
+  void divide_by_norm(const void* x, void* y, shardmuon_dtype dtype, int64_t count, int64_t batch,
                       const void* sum_of_squares, double eps, Stream) override {
     const shardmuon_dtype accumulate = accumulate_dtype(dtype);
-    double scale;
-    if (accumulate == SHARDMUON_FLOAT64) {
-      const double norm = std::max(std::sqrt(load_element(sum_of_squares, accumulate, 0)), eps);
-      scale = norm > 0 ? 1.0 / norm : 0.0;
-    } else {  // the CUDA kernel's float32 arithmetic
-      const float norm =
-          std::max(std::sqrt(static_cast<float>(load_element(sum_of_squares, accumulate, 0))),
-                   static_cast<float>(eps));
-      scale = norm > 0 ? 1.0f / norm : 0.0f;
-    }
-    for (int64_t i = 0; i < count; ++i) {
-      const double value =
-          accumulate == SHARDMUON_FLOAT64
-              ? load_element(x, dtype, i) * scale
-              : static_cast<float>(load_element(x, dtype, i)) * static_cast<float>(scale);
-      store_element(y, dtype, i, value);
+    for (int64_t b = 0; b < batch; ++b) {
+      double scale;
+      if (accumulate == SHARDMUON_FLOAT64) {
+        const double norm = std::max(std::sqrt(load_element(sum_of_squares, accumulate, b)), eps);
+        scale = norm > 0 ? 1.0 / norm : 0.0;
+      } else {  // the CUDA kernel's float32 arithmetic
+        const float norm =
+            std::max(std::sqrt(static_cast<float>(load_element(sum_of_squares, accumulate, b))),
+                     static_cast<float>(eps));
+        scale = norm > 0 ? 1.0f / norm : 0.0f;
+      }
+      for (int64_t i = b * count; i < (b + 1) * count; ++i) {
+        const double value =
+            accumulate == SHARDMUON_FLOAT64
+                ? load_element(x, dtype, i) * scale
+                : static_cast<float>(load_element(x, dtype, i)) * static_cast<float>(scale);
+        store_element(y, dtype, i, value);
+      }
     }
   }
 
-  void gemm(const GemmCall& call, Stream) override {
+  // A strided batch runs as its products one after another.
+  void gemm(const GemmCall& call, Stream stream) override {
+    if (call.batch == 1) {
+      gemm_one(call);
+      return;
+    }
+    const size_t ab = element_size(call.ab_type), cd = element_size(call.cd_type);
+    for (int64_t i = 0; i < call.batch; ++i) {
+      GemmCall one = call;
+      one.batch = 1;
+      one.a = static_cast<const char*>(call.a) + i * call.stride_a * ab;
+      one.b = static_cast<const char*>(call.b) + i * call.stride_b * ab;
+      if (call.beta != 0.0) one.c = static_cast<const char*>(call.c) + i * call.stride_c * cd;
+      one.d = static_cast<char*>(call.d) + i * call.stride_d * cd;
+      gemm(one, stream);
+    }
+  }
+
+  void gemm_one(const GemmCall& call) {
     const CBLAS_TRANSPOSE op_a = call.transpose_a ? CblasTrans : CblasNoTrans;
     const CBLAS_TRANSPOSE op_b = call.transpose_b ? CblasTrans : CblasNoTrans;
     const int64_t a_span = span(call.lda, call.transpose_a ? call.m : call.k);
@@ -211,21 +235,27 @@ class CpuBackend final : public Backend {
   int64_t symmetric_block_target() const override { return 32; }
 
   void unpack_symmetric(const void* packed, shardmuon_dtype src_type, const SymmetricTiles& tiles,
-                        void* dst, shardmuon_dtype dst_type, double shift, Stream) override {
+                        int64_t batch, void* dst, shardmuon_dtype dst_type, double shift,
+                        Stream) override {
     const int64_t n = tiles.n;
-    for (int j = 0; j < tiles.blocks(); ++j) {
-      const int64_t offset = tiles.offset(j), start = tiles.start(j), rows = tiles.rows(j);
-      for (int64_t c = start; c < start + tiles.width(j); ++c) {
-        for (int64_t r = c; r < n; ++r) {  // the lower triangle of column c
-          double value = load_element(packed, src_type, offset + (r - start) + (c - start) * rows);
-          if (r == c) {  // the CUDA kernel adds in float32 for float32 sources
-            value =
-                src_type == SHARDMUON_FLOAT64
-                    ? value + shift
-                    : static_cast<double>(static_cast<float>(value) + static_cast<float>(shift));
+    for (int64_t matrix = 0; matrix < batch; ++matrix) {
+      const int64_t packed_base = matrix * tiles.packed_elements(), dst_base = matrix * n * n;
+      for (int j = 0; j < tiles.blocks(); ++j) {
+        const int64_t offset = packed_base + tiles.offset(j), start = tiles.start(j),
+                      rows = tiles.rows(j);
+        for (int64_t c = start; c < start + tiles.width(j); ++c) {
+          for (int64_t r = c; r < n; ++r) {  // the lower triangle of column c
+            double value =
+                load_element(packed, src_type, offset + (r - start) + (c - start) * rows);
+            if (r == c) {  // the CUDA kernel adds in float32 for float32 sources
+              value =
+                  src_type == SHARDMUON_FLOAT64
+                      ? value + shift
+                      : static_cast<double>(static_cast<float>(value) + static_cast<float>(shift));
+            }
+            store_element(dst, dst_type, dst_base + c * n + r, value);
+            store_element(dst, dst_type, dst_base + r * n + c, value);
           }
-          store_element(dst, dst_type, c * n + r, value);
-          store_element(dst, dst_type, r * n + c, value);
         }
       }
     }

@@ -65,21 +65,13 @@ CublasLtGemm::~CublasLtGemm() {
 }
 
 const CublasLtGemm::Plan& CublasLtGemm::plan_for(const GemmCall& call) {
-  const PlanKey key = {call.transpose_a,
-                       call.transpose_b,
-                       call.m,
-                       call.n,
-                       call.k,
-                       call.lda,
-                       call.ldb,
-                       call.ldc,
-                       call.ldd,
-                       call.ab_type,
-                       call.cd_type,
-                       alignment_of(call.a),
-                       alignment_of(call.b),
-                       std::min(alignment_of(call.c), alignment_of(call.d)),
-                       call.sm_count_target};
+  const PlanKey key = {call.transpose_a, call.transpose_b, call.m, call.n, call.k, call.lda,
+                       call.ldb, call.ldc, call.ldd, call.ab_type, call.cd_type,
+                       alignment_of(call.a), alignment_of(call.b),
+                       std::min(alignment_of(call.c), alignment_of(call.d)), call.sm_count_target,
+                       call.batch, call.stride_a, call.stride_b,
+                       // beta == 0: C is D (run's pointer), with D's strides
+                       call.beta == 0.0 ? call.stride_d : call.stride_c, call.stride_d};
   auto found = plans_.find(key);
   if (found != plans_.end()) return *found->second;
 
@@ -110,6 +102,17 @@ const CublasLtGemm::Plan& CublasLtGemm::plan_for(const GemmCall& call) {
                                               call.transpose_b ? call.k : call.n, call.ldb));
   SHARDMUON_CUBLAS(cublasLtMatrixLayoutCreate(&plan->c, cd, call.m, call.n, call.ldc));
   SHARDMUON_CUBLAS(cublasLtMatrixLayoutCreate(&plan->d, cd, call.m, call.n, call.ldd));
+  if (call.batch > 1) {  // a strided batch: the same count on every operand, each its stride
+    const int32_t count = static_cast<int32_t>(call.batch);
+    const cublasLtMatrixLayout_t layouts[4] = {plan->a, plan->b, plan->c, plan->d};
+    const int64_t strides[4] = {key[16], key[17], key[18], key[19]};
+    for (int i = 0; i < 4; ++i) {
+      SHARDMUON_CUBLAS(cublasLtMatrixLayoutSetAttribute(
+          layouts[i], CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count, sizeof count));
+      SHARDMUON_CUBLAS(cublasLtMatrixLayoutSetAttribute(
+          layouts[i], CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &strides[i], sizeof strides[i]));
+    }
+  }
 
   cublasLtMatmulPreference_t preference = nullptr;
   SHARDMUON_CUBLAS(cublasLtMatmulPreferenceCreate(&preference));

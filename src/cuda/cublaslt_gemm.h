@@ -26,8 +26,9 @@ class CublasLtGemm {
  private:
   struct Plan;
   // transpose flags, m, n, k, leading dims, types, the alignment of each pointer (the
-  // heuristic may pick vectorized kernels only for aligned operands), and the SM count.
-  using PlanKey = std::array<int64_t, 15>;
+  // heuristic may pick vectorized kernels only for aligned operands), the SM count, and the
+  // batch with its strides.
+  using PlanKey = std::array<int64_t, 20>;
 
   const Plan& plan_for(const GemmCall& call);
 

@@ -173,18 +173,19 @@ class CudaBackend final : public Backend {
     SHARDMUON_CUDA(cudaFree(pointer));  // waits for the work using it
   }
 
-  size_t sum_of_squares_scratch_bytes(shardmuon_dtype dtype, int64_t count) const override {
-    return sum_of_squares_scratch_bytes_cuda(dtype, count);
+  size_t sum_of_squares_scratch_bytes(shardmuon_dtype dtype, int64_t count,
+                                      int64_t batch) const override {
+    return sum_of_squares_scratch_bytes_cuda(dtype, count, batch);
   }
 
-  void sum_of_squares(const void* x, shardmuon_dtype dtype, int64_t count, void* result,
-                      void* scratch, size_t scratch_bytes, Stream stream) override {
-    sum_of_squares_cuda(x, dtype, count, result, scratch, scratch_bytes, as_cuda(stream));
+  void sum_of_squares(const void* x, shardmuon_dtype dtype, int64_t count, int64_t batch,
+                      void* result, void* scratch, size_t scratch_bytes, Stream stream) override {
+    sum_of_squares_cuda(x, dtype, count, batch, result, scratch, scratch_bytes, as_cuda(stream));
   }
 
-  void divide_by_norm(const void* x, void* y, shardmuon_dtype dtype, int64_t count,
+  void divide_by_norm(const void* x, void* y, shardmuon_dtype dtype, int64_t count, int64_t batch,
                       const void* sum_of_squares, double eps, Stream stream) override {
-    divide_by_norm_cuda(x, y, dtype, count, sum_of_squares, eps, as_cuda(stream));
+    divide_by_norm_cuda(x, y, dtype, count, batch, sum_of_squares, eps, as_cuda(stream));
   }
 
   void gemm(const GemmCall& call, Stream stream) override {
@@ -242,8 +243,9 @@ class CudaBackend final : public Backend {
   int64_t symmetric_block_target() const override { return symmetric_block_target_; }
 
   void unpack_symmetric(const void* packed, shardmuon_dtype src_type, const SymmetricTiles& tiles,
-                        void* dst, shardmuon_dtype dst_type, double shift, Stream stream) override {
-    unpack_symmetric_cuda(packed, src_type, tiles, dst, dst_type, shift, as_cuda(stream));
+                        int64_t batch, void* dst, shardmuon_dtype dst_type, double shift,
+                        Stream stream) override {
+    unpack_symmetric_cuda(packed, src_type, tiles, batch, dst, dst_type, shift, as_cuda(stream));
   }
 
   Stream side_stream(Stream) override { return side_stream_.get(); }

@@ -1,5 +1,7 @@
 #include <cuda_bf16.h>
 
+#include <algorithm>
+#include <cub/block/block_reduce.cuh>
 #include <cub/device/device_reduce.cuh>
 #include <cuda/std/functional>
 
@@ -45,16 +47,59 @@ unsigned int grid_for(int64_t count) {
   return static_cast<unsigned int>(blocks < 4096 ? (blocks > 0 ? blocks : 1) : 4096);
 }
 
-// y = x * (1 / max(sqrt(sum), eps)), with a zero sum giving y = 0 rather than 0 * inf.
+// y = x * (1 / max(sqrt(sum), eps)), with a zero sum giving y = 0 rather than 0 * inf; vector
+// blockIdx.y of a batch, with its own sum.
 template <typename T>
-__global__ void divide_by_norm_kernel(const T* x, T* y, int64_t count, const float* sum_of_squares,
+__global__ void divide_by_norm_kernel(const T* x, T* y, int64_t count, const float* sums_of_squares,
                                       float eps) {
-  const float norm = fmaxf(sqrtf(*sum_of_squares), eps);
+  const int64_t base = blockIdx.y * count;
+  const float norm = fmaxf(sqrtf(sums_of_squares[blockIdx.y]), eps);
   const float scale = norm > 0.0f ? 1.0f / norm : 0.0f;
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < count;
        i += int64_t{gridDim.x} * blockDim.x) {
-    y[i] = from_accumulate<T>(to_float(x[i]) * scale);
+    y[base + i] = from_accumulate<T>(to_float(x[base + i]) * scale);
   }
+}
+
+// The sums of squares of a batch of vectors in two passes, each in a fixed order (the same
+// result every run): block (chunk, b) sums a chunk of vector b into partials[b][chunk], then
+// one block per vector sums its partials. Several blocks per vector keep every SM busy when
+// the batch is a few large matrices.
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    chunk_sum_of_squares_kernel(const T* x, int64_t count, int64_t chunk_length, float* partials) {
+  using Reduce = cub::BlockReduce<float, kThreads>;
+  __shared__ typename Reduce::TempStorage storage;
+  const T* vector = x + blockIdx.y * count;
+  const int64_t begin = blockIdx.x * chunk_length;
+  const int64_t end = begin + chunk_length < count ? begin + chunk_length : count;
+  float partial = 0.0f;
+  for (int64_t i = begin + threadIdx.x; i < end; i += kThreads) {
+    const float value = to_float(vector[i]);
+    partial += value * value;
+  }
+  const float sum = Reduce(storage).Sum(partial);
+  if (threadIdx.x == 0) partials[blockIdx.y * int64_t{gridDim.x} + blockIdx.x] = sum;
+}
+
+__global__ void __launch_bounds__(kThreads)
+    sum_partials_kernel(const float* partials, int64_t chunks, float* sums) {
+  using Reduce = cub::BlockReduce<float, kThreads>;
+  __shared__ typename Reduce::TempStorage storage;
+  float partial = 0.0f;
+  for (int64_t i = threadIdx.x; i < chunks; i += kThreads) {
+    partial += partials[blockIdx.x * chunks + i];
+  }
+  const float sum = Reduce(storage).Sum(partial);
+  if (threadIdx.x == 0) sums[blockIdx.x] = sum;
+}
+
+// Chunks per vector of a batched sum: at least 8192 elements each, about 2048 blocks over the
+// batch at most.
+int64_t chunks_per_vector(int64_t count, int64_t batch) {
+  constexpr int64_t kMinChunk = 8192, kMaxBlocks = 2048;
+  const int64_t wanted = (count + kMinChunk - 1) / kMinChunk;
+  return std::max<int64_t>(1, std::min<int64_t>(wanted, kMaxBlocks / batch));
 }
 
 // unpack_symmetric, one 64 x 64 tile pair per thread block: tile (I, J) of the lower triangle
@@ -68,6 +113,7 @@ __global__ void divide_by_norm_kernel(const T* x, T* y, int64_t count, const flo
 struct PackedTriangle {
   static constexpr int kMaxBlocks = 64;
   int64_t n;
+  int64_t packed_elements;
   int blocks;
   int64_t starts[kMaxBlocks + 1];
   int64_t offsets[kMaxBlocks + 1];
@@ -104,8 +150,11 @@ __device__ __forceinline__ void store_pair(Destination* dst, int64_t index, floa
 
 template <typename Destination>
 __global__ void __launch_bounds__(kThreadsX* kThreadsY)
-    unpack_symmetric_kernel(const float* packed, PackedTriangle layout, Destination* dst,
-                            float shift) {
+    unpack_symmetric_kernel(const float* packed_batch, PackedTriangle layout,
+                            Destination* dst_batch, float shift) {
+  // Matrix blockIdx.y of a batch.
+  const float* packed = packed_batch + blockIdx.y * layout.packed_elements;
+  Destination* dst = dst_batch + blockIdx.y * layout.n * layout.n;
   // Lower-triangle tile k = I (I + 1) / 2 + J.
   const int64_t k = blockIdx.x;
   int64_t tile_row = static_cast<int64_t>((sqrt(8.0 * static_cast<double>(k) + 1.0) - 1.0) / 2.0);
@@ -174,7 +223,9 @@ void check_launch(const char* kernel) {
 
 }  // namespace
 
-size_t sum_of_squares_scratch_bytes_cuda(shardmuon_dtype dtype, int64_t count) {
+size_t sum_of_squares_scratch_bytes_cuda(shardmuon_dtype dtype, int64_t count, int64_t batch) {
+  if (batch > 1)
+    return static_cast<size_t>(batch * chunks_per_vector(count, batch)) * sizeof(float);
   size_t bytes = 0;
   if (dtype == SHARDMUON_BFLOAT16) {
     bytes = transform_reduce<__nv_bfloat16>(nullptr, 0, nullptr, count, nullptr, nullptr);
@@ -184,8 +235,31 @@ size_t sum_of_squares_scratch_bytes_cuda(shardmuon_dtype dtype, int64_t count) {
   return bytes;
 }
 
-void sum_of_squares_cuda(const void* x, shardmuon_dtype dtype, int64_t count, void* result,
-                         void* scratch, size_t scratch_bytes, cudaStream_t stream) {
+void sum_of_squares_cuda(const void* x, shardmuon_dtype dtype, int64_t count, int64_t batch,
+                         void* result, void* scratch, size_t scratch_bytes, cudaStream_t stream) {
+  if (batch > 1) {
+    if (batch > 65535) fail(SHARDMUON_ERROR_UNSUPPORTED, "batch ", batch, " above 65535");
+    const int64_t chunks = chunks_per_vector(count, batch);
+    if (scratch_bytes < static_cast<size_t>(batch * chunks) * sizeof(float)) {
+      fail(SHARDMUON_ERROR_INTERNAL, "sum_of_squares_cuda: scratch of ", scratch_bytes,
+           " bytes for a batch of ", batch);
+    }
+    const int64_t chunk_length = (count + chunks - 1) / chunks;
+    float* partials = static_cast<float*>(scratch);
+    const dim3 grid(static_cast<unsigned int>(chunks), static_cast<unsigned int>(batch));
+    if (dtype == SHARDMUON_BFLOAT16) {
+      chunk_sum_of_squares_kernel<<<grid, kThreads, 0, stream>>>(
+          static_cast<const __nv_bfloat16*>(x), count, chunk_length, partials);
+    } else {
+      chunk_sum_of_squares_kernel<<<grid, kThreads, 0, stream>>>(static_cast<const float*>(x),
+                                                                 count, chunk_length, partials);
+    }
+    check_launch("chunk_sum_of_squares_kernel");
+    sum_partials_kernel<<<static_cast<unsigned int>(batch), kThreads, 0, stream>>>(
+        partials, chunks, static_cast<float*>(result));
+    check_launch("sum_partials_kernel");
+    return;
+  }
   if (dtype == SHARDMUON_BFLOAT16) {
     transform_reduce<__nv_bfloat16>(scratch, scratch_bytes, x, count, result, stream);
   } else {
@@ -194,22 +268,27 @@ void sum_of_squares_cuda(const void* x, shardmuon_dtype dtype, int64_t count, vo
 }
 
 void divide_by_norm_cuda(const void* x, void* y, shardmuon_dtype dtype, int64_t count,
-                         const void* sum_of_squares, double eps, cudaStream_t stream) {
-  const float* sum = static_cast<const float*>(sum_of_squares);
+                         int64_t batch, const void* sum_of_squares, double eps,
+                         cudaStream_t stream) {
+  if (batch > 65535) fail(SHARDMUON_ERROR_UNSUPPORTED, "batch ", batch, " above 65535");
+  const float* sums = static_cast<const float*>(sum_of_squares);
+  // Blocks per vector: together about grid_for's cap over the batch.
+  const int64_t per_vector = std::max<int64_t>(1, std::min<int64_t>(grid_for(count), 4096 / batch));
+  const dim3 grid(static_cast<unsigned int>(per_vector), static_cast<unsigned int>(batch));
   if (dtype == SHARDMUON_BFLOAT16) {
-    divide_by_norm_kernel<<<grid_for(count), kThreads, 0, stream>>>(
-        static_cast<const __nv_bfloat16*>(x), static_cast<__nv_bfloat16*>(y), count, sum,
-        static_cast<float>(eps));
+    divide_by_norm_kernel<<<grid, kThreads, 0, stream>>>(static_cast<const __nv_bfloat16*>(x),
+                                                         static_cast<__nv_bfloat16*>(y), count,
+                                                         sums, static_cast<float>(eps));
   } else {
-    divide_by_norm_kernel<<<grid_for(count), kThreads, 0, stream>>>(
-        static_cast<const float*>(x), static_cast<float*>(y), count, sum, static_cast<float>(eps));
+    divide_by_norm_kernel<<<grid, kThreads, 0, stream>>>(
+        static_cast<const float*>(x), static_cast<float*>(y), count, sums, static_cast<float>(eps));
   }
   check_launch("divide_by_norm_kernel");
 }
 
 void unpack_symmetric_cuda(const void* packed, shardmuon_dtype src_type,
-                           const SymmetricTiles& tiles, void* dst, shardmuon_dtype dst_type,
-                           double shift, cudaStream_t stream) {
+                           const SymmetricTiles& tiles, int64_t batch, void* dst,
+                           shardmuon_dtype dst_type, double shift, cudaStream_t stream) {
   if (src_type != SHARDMUON_FLOAT32) {
     fail(SHARDMUON_ERROR_INTERNAL, "unpack_symmetric_cuda takes float32 sources");
   }
@@ -223,6 +302,7 @@ void unpack_symmetric_cuda(const void* packed, shardmuon_dtype src_type,
   }
   PackedTriangle layout{};
   layout.n = tiles.n;
+  layout.packed_elements = tiles.packed_elements();
   layout.blocks = tiles.blocks();
   for (int j = 0; j <= tiles.blocks(); ++j) {
     layout.starts[j] = tiles.starts[j];
@@ -233,7 +313,9 @@ void unpack_symmetric_cuda(const void* packed, shardmuon_dtype src_type,
   if (lower_tiles > int64_t{0x7fffffff}) {
     fail(SHARDMUON_ERROR_UNSUPPORTED, "matrix side ", tiles.n, " too large");
   }
-  const dim3 grid(static_cast<unsigned int>(lower_tiles));
+  if (batch > 65535) fail(SHARDMUON_ERROR_UNSUPPORTED, "batch ", batch, " above 65535");
+  if (batch == 0) return;
+  const dim3 grid(static_cast<unsigned int>(lower_tiles), static_cast<unsigned int>(batch));
   const dim3 block(kThreadsX, kThreadsY);
   const float* source = static_cast<const float*>(packed);
   if (dst_type == SHARDMUON_FLOAT32) {

@@ -442,6 +442,44 @@ TEST_F(MuonStepBatches, OwnersWithManyMatricesExchangeSeveralPerRound) {
   }
 }
 
+// Small matrices whose whole matrices fill the owners' slots exactly (16 x 24 float32 and
+// 32 x 16 bf16: multiples of 256 bytes), so that an owner's consecutive ones with the same
+// problem run as one strided batch (NsProblem::batch): experts of stacked parameters sharded
+// every way, five separate same-shaped parameters, and a replicated stack that every rank
+// runs as one batch on its own (the other algorithms). Uneven shards, one rank empty from
+// P = 3 on; against the reference under OWNER, AUTO, GRAM_NEWTON_SCHULZ and DUPLICATED.
+TEST_F(MuonStepBatches, SameShapedMatricesRunAsBatches) {
+  for (int p = 1; p <= Harness::get().max_group_size(); ++p) {
+    const Group& group = Harness::get().group(p);
+    if (!group.member) continue;
+    for (const shardmuon_ns_algorithm algorithm :
+         {SHARDMUON_NS_OWNER, SHARDMUON_NS_AUTO, SHARDMUON_NS_GRAM_NEWTON_SCHULZ,
+          SHARDMUON_NS_DUPLICATED}) {
+      std::vector<Parameter> params;
+      params.push_back(
+          make_parameter(192, 24, SHARDMUON_FLOAT32, SHARDMUON_SHARDED_DIM0, p, 61, 2));
+      params.push_back(
+          make_parameter(16, 288, SHARDMUON_FLOAT32, SHARDMUON_SHARDED_DIM1, p, 62, 2));
+      params.push_back(
+          make_parameter(320, 16, SHARDMUON_BFLOAT16, SHARDMUON_SHARDED_FLAT, p, 63, 2));
+      params.push_back(make_parameter(160, 24, SHARDMUON_FLOAT32, SHARDMUON_REPLICATED, p, 64, 2));
+      params[0].row_blocks = 12;  // 12 experts of 16 x 24, straddling the uneven row shards
+      params[1].row_blocks = 1;   // one 16 x 288 matrix sharded along the columns
+      params[2].row_blocks = 10;  // 10 of 32 x 16 over element ranges
+      params[3].row_blocks = 10;  // 10 replicated experts of 16 x 24
+      for (int i = 0; i < 5; ++i) {
+        params.push_back(make_parameter(16, 24, SHARDMUON_FLOAT32, SHARDMUON_SHARDED_DIM1, p,
+                                        static_cast<uint64_t>(65 + i), 2));
+      }
+      StepRun run{params, {ReferenceGroup{}}, {SHARDMUON_SCHEDULE_QUINTIC}, {5}};
+      run.algorithm = algorithm;
+      run_and_compare(
+          group, run, 2,
+          "batches, algorithm " + std::to_string(algorithm) + " P=" + std::to_string(p));
+    }
+  }
+}
+
 // Stacked matrices (row_blocks), each orthogonalized and scaled on its own: a mixture-of-
 // experts weight (4 experts of 9 x 20), a fused QKV split by head (6 heads of 5 rows) sharded
 // along its rows unevenly, so that heads straddle ranks, gate/up halves sharded along the
