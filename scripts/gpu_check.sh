@@ -120,13 +120,18 @@ if [[ "$what" == "speed" ]]; then
 fi
 if [[ "$what" == "step" ]]; then
   # The whole optimizer step: the step's CUDA tests (owner per matrix, stacked matrices, Gram
-  # Newton-Schulz) on 1 and 2 GPUs, then bench/bench_step.py against the PyTorch loops.
+  # Newton-Schulz) on 1 and 2 GPUs, then bench/bench_step.py against the PyTorch loops and
+  # bench/bench_experts.py.
   cuda_tests step_tests 'MuonStep*:CppMuon*:NonFinite*:*gramns*:*MultiBlock*'
   export SHARDMUON_LIBRARY="$root/$build/libshardmuon.so"
   timeout "${BENCH_TIMEOUT:-300}" torchrun --nproc_per_node="$gpus" bench/bench_step.py --out "$out" \
     ${BENCH_ARGS:-} >"$out/bench_step.log" 2>&1
   results+=("step benchmark: rc=$?")
   grep -E "^\||GEMM|whole-step" "$out/bench_step.log"
+  # Mixture-of-experts layers on one GPU: the experts as strided batches.
+  timeout 200 python3 bench/bench_experts.py --out "$out" >"$out/bench_experts.log" 2>&1
+  results+=("experts benchmark (1 GPU): rc=$?")
+  grep -E "^\||GEMM" "$out/bench_experts.log"
   printf '%s\n' "${results[@]}"
   exit 0
 fi

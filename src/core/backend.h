@@ -64,6 +64,10 @@ struct MomentumPass {
   // Where the new momentum goes: momentum itself (in place) when null, else this buffer, so
   // that the step can decide later whether to keep it (commit_pass).
   void* new_momentum = nullptr;
+  // If not null, *nonfinite_flag (backend memory) becomes 1 when a gradient value is NaN or
+  // infinite (it is never cleared here): the check rides on the pass that reads the gradient
+  // anyway, instead of a pass of its own.
+  float* nonfinite_flag = nullptr;
 };
 
 // The last pass of a checked step: unless a flag is set, param <- param * decay - step_size *

@@ -386,7 +386,7 @@ namespace {
 // The fused momentum pass of a parameter: the update into `update`, the new momentum in place
 // or, for a checked step, into new_momentum.
 void run_momentum_pass(Backend& backend, const MuonParamPlan& plan, int64_t count, void* update,
-                       void* new_momentum, Stream stream) {
+                       void* new_momentum, float* nonfinite_flag, Stream stream) {
   const shardmuon_muon_param& p = *plan.param;
   MomentumPass pass;
   pass.grad = p.grad;
@@ -399,6 +399,7 @@ void run_momentum_pass(Backend& backend, const MuonParamPlan& plan, int64_t coun
   pass.beta = plan.beta;
   pass.nesterov = plan.nesterov;
   pass.l2_decay = plan.l2_decay;
+  pass.nonfinite_flag = nonfinite_flag;
   backend.momentum_pass(pass, stream);
 }
 
@@ -768,21 +769,13 @@ void run_muon_step(Backend& backend, Communicator& comm, const ValidatedMuonStep
   int64_t* skipped_steps = reinterpret_cast<int64_t*>(counters + kSkippedStepsOffset);
   int64_t* skipped_params = reinterpret_cast<int64_t*>(counters + kSkippedParamsOffset);
 
-  if (checked) {
-    backend.fill_zero(flags, count_of_flags * sizeof(float), stream);
-    for (const MuonParamPlan& plan : step.plans) {
-      if (!plan.has_grad) continue;
-      backend.flag_nonfinite(plan.param->grad, plan.ns.dtype, plan.ns.layout.local_elements(rank),
-                             flags, stream);
-    }
-    if (comm.size() > 1) comm.all_reduce_sum(flags, 1, SHARDMUON_FLOAT32, stream);
-  }
-
+  // A checked step's momentum passes flag a non-finite gradient in flags[0] as they read it.
+  if (checked) backend.fill_zero(flags, count_of_flags * sizeof(float), stream);
   for (size_t i = 0; i < step.plans.size(); ++i) {
     const MuonParamPlan& plan = step.plans[i];
     if (!plan.has_grad) continue;  // skipped on every rank alike (the digest saw to it)
     run_momentum_pass(backend, plan, plan.ns.layout.local_elements(rank), base + layout.update[i],
-                      checked ? base + layout.new_momentum[i] : nullptr, stream);
+                      checked ? base + layout.new_momentum[i] : nullptr, flags, stream);
   }
   if (!step.owned.empty()) run_owner_batch(backend, comm, step, layout, base, stream);
   for (size_t i = 0; i < step.plans.size(); ++i) {
@@ -830,9 +823,12 @@ void run_muon_step(Backend& backend, Communicator& comm, const ValidatedMuonStep
     backend.flag_nonfinite(base + layout.update[i], plan.ns.dtype,
                            plan.ns.layout.local_elements(rank), flags + 1 + i, stream);
   }
-  if (comm.size() > 1 && any_sharded) {
-    comm.all_reduce_sum(flags + 1, static_cast<int64_t>(step.plans.size()), SHARDMUON_FLOAT32,
-                        stream);
+  // The step's flag (any rank's gradients) and, when a parameter is sharded, the parameters'
+  // (any rank's piece of the update) in one all-reduce; a replicated parameter's update is the
+  // same on every rank, and every rank knows whether any is sharded.
+  if (comm.size() > 1) {
+    const int64_t summed = any_sharded ? static_cast<int64_t>(count_of_flags) : 1;
+    comm.all_reduce_sum(flags, summed, SHARDMUON_FLOAT32, stream);
   }
   for (size_t i = 0; i < step.plans.size(); ++i) {
     const MuonParamPlan& plan = step.plans[i];

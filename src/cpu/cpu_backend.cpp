@@ -281,6 +281,7 @@ class CpuBackend final : public Backend {
     const T l2 = static_cast<T>(pass.l2_decay);
     for (int64_t i = 0; i < pass.count; ++i) {
       T g = static_cast<T>(load_element(pass.grad, pass.dtype, i));
+      if (pass.nonfinite_flag != nullptr && !std::isfinite(g)) *pass.nonfinite_flag = 1.0f;
       if (pass.l2_decay != 0.0) g += l2 * static_cast<T>(load_element(pass.param, pass.dtype, i));
       T m = static_cast<T>(load_element(pass.momentum, pass.dtype, i));
       m += weight * (g - m);  // lerp(m, g, 1 - beta)

@@ -45,9 +45,10 @@ __device__ __forceinline__ __nv_bfloat16 narrow<__nv_bfloat16>(float x) {
 template <typename T, int N, bool kNesterov, bool kL2>
 __global__ void momentum_kernel(const T* __restrict__ grad, const T* __restrict__ param,
                                 const T* momentum, T* momentum_out, T* __restrict__ update,
-                                int64_t count, float beta, float l2_decay) {
+                                int64_t count, float beta, float l2_decay, float* nonfinite_flag) {
   using V = Vector<T, N>;
   const float weight = 1.0f - beta;
+  bool finite = true;
   for (int64_t i = (blockIdx.x * int64_t{blockDim.x} + threadIdx.x) * N; i < count;
        i += int64_t{gridDim.x} * blockDim.x * N) {
     const V g_in = *reinterpret_cast<const V*>(grad + i);
@@ -58,6 +59,7 @@ __global__ void momentum_kernel(const T* __restrict__ grad, const T* __restrict_
 #pragma unroll
     for (int j = 0; j < N; ++j) {
       float g = widen(g_in.values[j]);
+      finite = finite && isfinite(g);
       if constexpr (kL2) g = fmaf(l2_decay, widen(p_in.values[j]), g);
       float m = widen(m_io.values[j]);
       m = fmaf(weight, g - m, m);  // lerp(m, g, 1 - beta)
@@ -67,6 +69,8 @@ __global__ void momentum_kernel(const T* __restrict__ grad, const T* __restrict_
     *reinterpret_cast<V*>(momentum_out + i) = m_io;
     *reinterpret_cast<V*>(update + i) = u_out;
   }
+  // Every thread that saw a non-finite value stores the same 1: no atomics needed.
+  if (!finite && nonfinite_flag != nullptr) *nonfinite_flag = 1.0f;
 }
 
 template <typename T, int N>
@@ -150,13 +154,13 @@ void launch_momentum(const MomentumPass& pass, cudaStream_t stream) {
   const int64_t bulk = vectorized ? pass.count / N * N : 0;
   if (bulk > 0) {
     momentum_kernel<T, N, kNesterov, kL2><<<grid_for(bulk / N), kThreads, 0, stream>>>(
-        grad, param, momentum, momentum_out, update, bulk, beta, l2);
+        grad, param, momentum, momentum_out, update, bulk, beta, l2, pass.nonfinite_flag);
   }
   if (pass.count > bulk) {
     const int64_t rest = pass.count - bulk;
     momentum_kernel<T, 1, kNesterov, kL2><<<grid_for(rest), kThreads, 0, stream>>>(
         grad + bulk, kL2 ? param + bulk : nullptr, momentum + bulk, momentum_out + bulk,
-        update + bulk, rest, beta, l2);
+        update + bulk, rest, beta, l2, pass.nonfinite_flag);
   }
   check_cuda(cudaGetLastError(), "momentum_kernel launch");
 }
