@@ -115,7 +115,7 @@ void run(const char* dtype_name, shardmuon_dtype dtype, int64_t rows, int64_t co
                       median_ms(
                           [&](cudaStream_t s) {
                             shardmuon::update_pass_cuda(param, update, dtype, count, 0.999997, 1e-4,
-                                                        s);
+                                                        shardmuon::DeviceLearningRate{}, s);
                           },
                           stream)});
 

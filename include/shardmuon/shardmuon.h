@@ -388,6 +388,12 @@ typedef struct shardmuon_muon_group {
   shardmuon_scale_mode scale_mode;
   double extra_scale_factor; /* 0.2 with SPECTRAL is the Moonlight "match AdamW RMS" rule */
   shardmuon_ns_options ns;
+  /* NULL (the zero-initialized value), or a float32 learning rate in the context's memory
+   * (device memory on CUDA, 4-byte aligned) that the step reads when its kernels run, in
+   * place of lr (which is then ignored): a schedule can change it between replays of a
+   * captured step by writing it on the stream. The value must be finite and >= 0 (it is not
+   * checked: reading it would wait on the device). Checkpoints record lr, not this value. */
+  const float* lr_on_device;
 } shardmuon_muon_group;
 
 /* Fills *group with TransformerEngine's defaults: lr 3e-4, momentum 0.95, Nesterov,
@@ -431,10 +437,11 @@ typedef struct shardmuon_muon_param {
  * checks arguments across ranks (that waits on the host) nor allocates: it must repeat the
  * last uncaptured step's arguments, or it returns INVALID_ARGUMENT on this rank (the other
  * ranks cannot know, so keep the arguments equal everywhere). Replays use the captured
- * buffers and hyperparameters, the learning rate included; copy new gradients into the same
- * buffers between replays. The non-finite policy must be SKIP or PROCEED (RAISE waits on the
- * host). After a capture the context's workspace never moves, so a later call that needs a
- * larger one fails: capture after the context's largest call. */
+ * buffers and hyperparameters, the learning rate included unless a group reads it from
+ * device memory (lr_on_device); copy new gradients into the same buffers between replays. The
+ * non-finite policy must be SKIP or PROCEED (RAISE waits on the host). After a capture the
+ * context's workspace never moves, so a later call that needs a larger one fails: capture after the
+ * context's largest call. */
 SHARDMUON_API shardmuon_status shardmuon_muon_step(
     shardmuon_context_t context, shardmuon_comm_t comm, const shardmuon_muon_param* params,
     int num_params, const shardmuon_muon_group* groups, int num_groups, void* stream);

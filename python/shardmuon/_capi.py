@@ -57,6 +57,7 @@ class MuonGroup(ctypes.Structure):
         ("scale_mode", ctypes.c_int),
         ("extra_scale_factor", ctypes.c_double),
         ("ns", NsOptions),
+        ("lr_on_device", ctypes.c_void_p),
     ]
 
 

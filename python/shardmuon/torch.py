@@ -258,10 +258,20 @@ class Muon(torch.optim.Optimizer):
                                 "row_blocks": row_blocks})
         return entries
 
-    def _group_struct(self, group, keepalive) -> c.MuonGroup:
+    def _group_struct(self, group, keepalive, device, index) -> c.MuonGroup:
         s = c.MuonGroup()
         c.check(c.lib.shardmuon_muon_group_default(ctypes.byref(s)))
-        s.lr = float(group["lr"])
+        lr = group["lr"]
+        if torch.is_tensor(lr):
+            # A tensor learning rate (PyTorch's schedulers fill it in place) is read by the
+            # step's kernels when they run: a step captured with torch.cuda.graph follows it.
+            if lr.dtype != torch.float32 or lr.numel() != 1 or lr.device != device:
+                raise ValueError(f"Muon param_groups[{index}]: a tensor lr must be one float32 "
+                                 f"value on {device}, not {lr.dtype} x {lr.numel()} on {lr.device}")
+            s.lr = 0.0
+            s.lr_on_device = lr.data_ptr()
+        else:
+            s.lr = float(lr)
         s.momentum = float(group["momentum"])
         s.nesterov = 1 if group["nesterov"] else 0
         s.weight_decay = float(group["weight_decay"])
@@ -315,7 +325,7 @@ class Muon(torch.optim.Optimizer):
         groups = (c.MuonGroup * len(self.param_groups))()
         for index, group in enumerate(self.param_groups):
             if index in {e["group"] for e in entries}:
-                groups[index] = self._group_struct(group, keepalive)
+                groups[index] = self._group_struct(group, keepalive, device, index)
             else:  # a group this class does not step (AdamW's): any valid values
                 c.check(c.lib.shardmuon_muon_group_default(ctypes.byref(groups[index])))
         params = (c.MuonParam * len(entries))()

@@ -118,6 +118,38 @@ def test_lr_scheduler_drives_the_learning_rate():
     assert torch.equal(a, manual)
 
 
+@pytest.mark.parametrize("mode", ["decoupled", "independent", "l2", "none"])
+def test_a_tensor_learning_rate_is_read_when_the_step_runs(mode):
+    """A float32 tensor lr (what a step captured with torch.cuda.graph needs: the kernels read
+    it when they run), filled in place every step, against the same rates given as floats."""
+    a, _, grads = make_model_and_grads()
+    as_float = torch.nn.Parameter(a.detach().clone())
+    rate = torch.tensor(0.04, dtype=torch.float32)
+    optimizer = st.Muon([a], lr=rate, weight_decay=0.1, weight_decay_mode=mode)
+    reference_optimizer = st.Muon([as_float], lr=0.04, weight_decay=0.1, weight_decay_mode=mode)
+    for step in range(3):
+        value = 0.04 * 0.5 ** step
+        rate.fill_(value)
+        reference_optimizer.param_groups[0]["lr"] = float(rate)  # the same float32 value
+        a.grad = grads[step][0]
+        as_float.grad = grads[step][0]
+        optimizer.step()
+        reference_optimizer.step()
+    assert optimizer.param_groups[0]["lr"] is rate
+    # The device path computes the decay in float32 from the float32 rate; the host path in
+    # float64: a few float32 roundings apart.
+    assert reference.relative_error(a.detach(), as_float.detach()) < 1e-6
+    assert not torch.equal(a, grads[0][0])  # it did step
+
+
+def test_a_tensor_learning_rate_must_be_one_float32_value():
+    a, _, grads = make_model_and_grads()
+    optimizer = st.Muon([a], lr=torch.tensor(0.02, dtype=torch.float64))
+    a.grad = grads[0][0]
+    with pytest.raises(ValueError, match="a tensor lr must be one float32 value"):
+        optimizer.step()
+
+
 def test_closure_runs_with_grad_enabled_and_its_loss_is_returned():
     weight = torch.nn.Parameter(torch.randn(8, 5))
     optimizer = st.Muon([weight], lr=0.02)

@@ -70,6 +70,14 @@ struct MomentumPass {
   float* nonfinite_flag = nullptr;
 };
 
+// A learning rate read when a pass runs (a float32 in backend memory), for captured steps whose
+// schedule changes it between replays: the pass's decay and step_size become
+// decay - decay_per_lr * lr and step_size_per_lr * lr. With `lr` null they stay as given.
+struct DeviceLearningRate {
+  const float* lr = nullptr;
+  double decay_per_lr = 0.0, step_size_per_lr = 0.0;
+};
+
 // The last pass of a checked step: unless a flag is set, param <- param * decay - step_size *
 // update and momentum <- new_momentum. Flags are floats in backend memory (nonzero: set); a
 // parameter skipped because of its own flag (not the step's) adds one to *skipped_params.
@@ -84,6 +92,7 @@ struct CommitPass {
   const float* step_flag = nullptr;
   const float* param_flag = nullptr;
   int64_t* skipped_params = nullptr;
+  DeviceLearningRate device_lr;
 };
 
 class Backend {
@@ -145,9 +154,10 @@ class Backend {
   virtual void count_if_flagged(const float* flag, int64_t* counter, Stream stream) = 0;
   // A few bytes of zeroed backend memory that live as long as the backend (counters).
   virtual void* persistent_status() = 0;
-  // Steps 1 and 6 fused: param <- param * decay - step_size * update.
+  // Steps 1 and 6 fused: param <- param * decay - step_size * update (see DeviceLearningRate).
   virtual void update_pass(void* param, const void* update, shardmuon_dtype dtype, int64_t count,
-                           double decay, double step_size, Stream stream) = 0;
+                           double decay, double step_size, const DeviceLearningRate& device_lr,
+                           Stream stream) = 0;
 
   // How wide SymmetricTiles' blocks should be on this backend: narrower blocks save more
   // flops (the triangle), wider ones run the GEMMs faster.

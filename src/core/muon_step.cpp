@@ -106,8 +106,12 @@ double muon_update_scale(shardmuon_scale_mode mode, int64_t rows, int64_t cols) 
 
 void validate_muon_group(const shardmuon_muon_group& group, int index) {
   const std::string name = "groups[" + std::to_string(index) + "]";
-  SHARDMUON_CHECK_ARG(std::isfinite(group.lr) && group.lr >= 0, name,
-                      ".lr must be finite and >= 0, got ", group.lr);
+  // With lr_on_device, lr is ignored (the step reads the device value).
+  SHARDMUON_CHECK_ARG(group.lr_on_device != nullptr || (std::isfinite(group.lr) && group.lr >= 0),
+                      name, ".lr must be finite and >= 0, got ", group.lr);
+  SHARDMUON_CHECK_ARG(reinterpret_cast<uintptr_t>(group.lr_on_device) % alignof(float) == 0, name,
+                      ".lr_on_device (", static_cast<const void*>(group.lr_on_device),
+                      ") is not 4-byte aligned");
   SHARDMUON_CHECK_ARG(group.momentum >= 0 && group.momentum < 1, name,
                       ".momentum must be in [0, 1), got ", group.momentum);
   SHARDMUON_CHECK_ARG(group.nesterov == 0 || group.nesterov == 1, name,
@@ -159,7 +163,10 @@ ValidatedMuonStep validate_muon_step(const Backend& backend, const Communicator&
   digest.add(num_params).add(num_groups).add(backend.kind()).add(use_grads);
   for (int g = 0; g < num_groups; ++g) {
     const shardmuon_muon_group& group = groups[g];
-    digest.add(group.lr).add(group.momentum).add(group.nesterov).add(group.weight_decay);
+    // A learning rate on the device differs between ranks in its address only; the ranks agree
+    // that there is one (it decides what the kernels read), not on the value.
+    digest.add(group.lr_on_device != nullptr).add(group.lr_on_device != nullptr ? 0.0 : group.lr);
+    digest.add(group.momentum).add(group.nesterov).add(group.weight_decay);
     digest.add(group.weight_decay_mode).add(group.scale_mode).add(group.extra_scale_factor);
     for (const Coefficients& k : coefficients_for(group.ns)) digest.add(k.a).add(k.b).add(k.c);
     digest.add(group.ns.eps).add(group.ns.algorithm);
@@ -197,19 +204,29 @@ ValidatedMuonStep validate_muon_step(const Backend& backend, const Communicator&
     plan.has_grad = use_grads && p.no_grad == 0;
     plan.beta = group.momentum;
     plan.nesterov = group.nesterov != 0;
-    const double lr = group.lr, wd = group.weight_decay;
+    const double lr = group.lr_on_device != nullptr ? 0.0 : group.lr, wd = group.weight_decay;
+    // decay = (its part without lr) - decay_per_lr * lr; step_size = step_size_per_lr * lr.
+    double decay_without_lr = 1.0, decay_per_lr = 0.0;
     switch (group.weight_decay_mode) {
-      case SHARDMUON_WEIGHT_DECAY_DECOUPLED: plan.decay = 1.0 - lr * wd; break;
-      case SHARDMUON_WEIGHT_DECAY_INDEPENDENT: plan.decay = 1.0 - wd; break;
+      case SHARDMUON_WEIGHT_DECAY_DECOUPLED: decay_per_lr = wd; break;
+      case SHARDMUON_WEIGHT_DECAY_INDEPENDENT: decay_without_lr = 1.0 - wd; break;
       case SHARDMUON_WEIGHT_DECAY_L2: plan.l2_decay = wd; break;
       case SHARDMUON_WEIGHT_DECAY_NONE: break;
     }
+    plan.decay = decay_without_lr - decay_per_lr * lr;
     const int64_t row_blocks = p.row_blocks == 0 ? 1 : p.row_blocks;
     SHARDMUON_CHECK_ARG(row_blocks >= 1 && layout.rows() % row_blocks == 0, name, ".row_blocks (",
                         p.row_blocks, ") must divide the ", layout.rows(), " rows");
     // Each stacked matrix is scaled by its own shape.
-    plan.step_size = lr * group.extra_scale_factor *
-                     muon_update_scale(group.scale_mode, layout.rows() / row_blocks, layout.cols());
+    const double step_size_per_lr =
+        group.extra_scale_factor *
+        muon_update_scale(group.scale_mode, layout.rows() / row_blocks, layout.cols());
+    plan.step_size = lr * step_size_per_lr;
+    if (group.lr_on_device != nullptr) {
+      backend.check_pointer(group.lr_on_device,
+                            concat("groups[", group_index, "].lr_on_device").c_str());
+      plan.device_lr = {group.lr_on_device, decay_per_lr, step_size_per_lr};
+    }
     const int64_t elements = layout.local_elements(comm.rank());
     if (elements > 0) {
       check_buffer(backend, p.param, "param", i, elements, p.dtype, ranges);
@@ -810,7 +827,8 @@ void run_muon_step(Backend& backend, Communicator& comm, const ValidatedMuonStep
       const MuonParamPlan& plan = step.plans[i];
       if (!plan.has_grad) continue;
       backend.update_pass(plan.param->param, base + layout.update[i], plan.ns.dtype,
-                          plan.ns.layout.local_elements(rank), plan.decay, plan.step_size, stream);
+                          plan.ns.layout.local_elements(rank), plan.decay, plan.step_size,
+                          plan.device_lr, stream);
     }
     return;
   }
@@ -846,6 +864,7 @@ void run_muon_step(Backend& backend, Communicator& comm, const ValidatedMuonStep
     commit.step_flag = flags;
     commit.param_flag = flags + 1 + i;
     commit.skipped_params = skipped_params;
+    commit.device_lr = plan.device_lr;
     backend.commit_pass(commit, stream);
   }
   backend.count_if_flagged(flags, skipped_steps, stream);

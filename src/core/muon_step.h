@@ -19,7 +19,10 @@ struct MuonParamPlan {
   bool has_grad = false;
   double decay = 1.0;      // param <- param * decay - step_size * O
   double step_size = 0.0;  // lr * extra_scale_factor * scale(m, n)
-  double l2_decay = 0.0;   // g = grad + l2_decay * param
+  // The group's lr_on_device: decay and step_size then come from the value it holds when the
+  // passes run (they are computed above with lr = 0).
+  DeviceLearningRate device_lr;
+  double l2_decay = 0.0;  // g = grad + l2_decay * param
   double beta = 0.0;
   bool nesterov = false;
   // (f): the parameter's matrices are in the step's owner batch (ValidatedMuonStep::owned).

@@ -177,7 +177,13 @@ class CpuBackend final : public Backend {
   }
 
   void update_pass(void* param, const void* update, shardmuon_dtype dtype, int64_t count,
-                   double decay, double step_size, Stream) override {
+                   double decay, double step_size, const DeviceLearningRate& device_lr,
+                   Stream) override {
+    if (device_lr.lr != nullptr) {  // the CUDA kernels' float32 arithmetic
+      const float lr = *device_lr.lr;
+      decay = static_cast<float>(decay) - static_cast<float>(device_lr.decay_per_lr) * lr;
+      step_size = static_cast<float>(device_lr.step_size_per_lr) * lr;
+    }
     for (int64_t i = 0; i < count; ++i) {
       if (dtype == SHARDMUON_FLOAT64) {
         store_element(
@@ -199,7 +205,7 @@ class CpuBackend final : public Backend {
       return;
     }
     update_pass(pass.param, pass.update, pass.dtype, pass.count, pass.decay, pass.step_size,
-                stream);
+                pass.device_lr, stream);
     if (pass.count > 0) {
       std::memcpy(pass.momentum, pass.new_momentum, pass.count * element_size(pass.dtype));
     }

@@ -203,8 +203,9 @@ class CudaBackend final : public Backend {
   }
 
   void update_pass(void* param, const void* update, shardmuon_dtype dtype, int64_t count,
-                   double decay, double step_size, Stream stream) override {
-    update_pass_cuda(param, update, dtype, count, decay, step_size, as_cuda(stream));
+                   double decay, double step_size, const DeviceLearningRate& device_lr,
+                   Stream stream) override {
+    update_pass_cuda(param, update, dtype, count, decay, step_size, device_lr, as_cuda(stream));
   }
 
   void commit_pass(const CommitPass& pass, Stream stream) override {

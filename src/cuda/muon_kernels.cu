@@ -73,9 +73,28 @@ __global__ void momentum_kernel(const T* __restrict__ grad, const T* __restrict_
   if (!finite && nonfinite_flag != nullptr) *nonfinite_flag = 1.0f;
 }
 
+// DeviceLearningRate as kernel arguments: with lr set, decay and step_size are computed from
+// the value it holds when the kernel runs (the same in every thread).
+struct DeviceRate {
+  const float* lr;
+  float decay_per_lr, step_size_per_lr;
+
+  static DeviceRate of(const DeviceLearningRate& rate) {
+    return {rate.lr, static_cast<float>(rate.decay_per_lr),
+            static_cast<float>(rate.step_size_per_lr)};
+  }
+  __device__ void apply(float& decay, float& step_size) const {
+    if (lr == nullptr) return;
+    const float value = *lr;
+    decay -= decay_per_lr * value;
+    step_size = step_size_per_lr * value;
+  }
+};
+
 template <typename T, int N>
 __global__ void update_kernel(T* __restrict__ param, const T* __restrict__ update, int64_t count,
-                              float decay, float step_size) {
+                              float decay, float step_size, DeviceRate rate) {
+  rate.apply(decay, step_size);
   using V = Vector<T, N>;
   for (int64_t i = (blockIdx.x * int64_t{blockDim.x} + threadIdx.x) * N; i < count;
        i += int64_t{gridDim.x} * blockDim.x * N) {
@@ -94,7 +113,8 @@ template <typename T, int N>
 __global__ void commit_kernel(T* __restrict__ param, const T* __restrict__ update,
                               T* __restrict__ momentum, const T* __restrict__ new_momentum,
                               int64_t count, float decay, float step_size, const float* step_flag,
-                              const float* param_flag, long long* skipped_params) {
+                              const float* param_flag, long long* skipped_params, DeviceRate rate) {
+  rate.apply(decay, step_size);
   const bool step_bad = *step_flag != 0.0f, param_bad = *param_flag != 0.0f;
   if (step_bad || param_bad) {
     if (!step_bad && skipped_params != nullptr && blockIdx.x == 0 && threadIdx.x == 0) {
@@ -179,18 +199,18 @@ void launch_momentum(const MomentumPass& pass, cudaStream_t stream) {
 
 template <typename T>
 void launch_update(void* param_bytes, const void* update_bytes, int64_t count, float decay,
-                   float step_size, cudaStream_t stream) {
+                   float step_size, DeviceRate rate, cudaStream_t stream) {
   constexpr int N = kVectorBytes / sizeof(T);
   T* param = static_cast<T*>(param_bytes);
   const T* update = static_cast<const T*>(update_bytes);
   const int64_t bulk = aligned(param) && aligned(update) ? count / N * N : 0;
   if (bulk > 0) {
     update_kernel<T, N>
-        <<<grid_for(bulk / N), kThreads, 0, stream>>>(param, update, bulk, decay, step_size);
+        <<<grid_for(bulk / N), kThreads, 0, stream>>>(param, update, bulk, decay, step_size, rate);
   }
   if (count > bulk) {
     update_kernel<T, 1><<<grid_for(count - bulk), kThreads, 0, stream>>>(
-        param + bulk, update + bulk, count - bulk, decay, step_size);
+        param + bulk, update + bulk, count - bulk, decay, step_size, rate);
   }
   check_cuda(cudaGetLastError(), "update_kernel launch");
 }
@@ -211,12 +231,13 @@ void launch_commit(const CommitPass& pass, cudaStream_t stream) {
   if (bulk > 0) {
     commit_kernel<T, N><<<grid_for(bulk / N), kThreads, 0, stream>>>(
         param, update, momentum, new_momentum, bulk, decay, step, pass.step_flag, pass.param_flag,
-        counter);
+        counter, DeviceRate::of(pass.device_lr));
   }
   if (pass.count > bulk || pass.count == 0) {
     commit_kernel<T, 1><<<grid_for(pass.count - bulk), kThreads, 0, stream>>>(
         param + bulk, update + bulk, momentum + bulk, new_momentum + bulk, pass.count - bulk, decay,
-        step, pass.step_flag, pass.param_flag, bulk > 0 ? nullptr : counter);
+        step, pass.step_flag, pass.param_flag, bulk > 0 ? nullptr : counter,
+        DeviceRate::of(pass.device_lr));
   }
   check_cuda(cudaGetLastError(), "commit_kernel launch");
 }
@@ -261,13 +282,15 @@ void momentum_pass_cuda(const MomentumPass& pass, cudaStream_t stream) {
 }
 
 void update_pass_cuda(void* param, const void* update, shardmuon_dtype dtype, int64_t count,
-                      double decay, double step_size, cudaStream_t stream) {
+                      double decay, double step_size, const DeviceLearningRate& device_lr,
+                      cudaStream_t stream) {
   if (count == 0) return;
   const float d = static_cast<float>(decay), s = static_cast<float>(step_size);
+  const DeviceRate rate = DeviceRate::of(device_lr);
   switch (dtype) {
-    case SHARDMUON_FLOAT32: launch_update<float>(param, update, count, d, s, stream); return;
+    case SHARDMUON_FLOAT32: launch_update<float>(param, update, count, d, s, rate, stream); return;
     case SHARDMUON_BFLOAT16:
-      launch_update<__nv_bfloat16>(param, update, count, d, s, stream);
+      launch_update<__nv_bfloat16>(param, update, count, d, s, rate, stream);
       return;
     case SHARDMUON_FLOAT64: break;
   }

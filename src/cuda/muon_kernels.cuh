@@ -13,6 +13,7 @@ void flag_nonfinite_cuda(const void* x, shardmuon_dtype dtype, int64_t count, fl
                          cudaStream_t stream);
 void count_if_flagged_cuda(const float* flag, int64_t* counter, cudaStream_t stream);
 void update_pass_cuda(void* param, const void* update, shardmuon_dtype dtype, int64_t count,
-                      double decay, double step_size, cudaStream_t stream);
+                      double decay, double step_size, const DeviceLearningRate& device_lr,
+                      cudaStream_t stream);
 
 }  // namespace shardmuon

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <limits>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -131,6 +132,8 @@ struct StepRun {
   std::vector<shardmuon_schedule> schedules;
   std::vector<int> iterations;
   shardmuon_ns_algorithm algorithm = SHARDMUON_NS_AUTO;  // every group's
+  // Every group's learning rate as a float32 in backend memory (lr_on_device), lr NaN.
+  bool lr_on_device = false;
 };
 
 void run_and_compare(const Group& group, StepRun& run, int steps, const std::string& label) {
@@ -141,10 +144,22 @@ void run_and_compare(const Group& group, StepRun& run, int steps, const std::str
   }
   for (int s = 0; s < steps; ++s) {
     std::vector<shardmuon_muon_group> groups;
+    std::vector<float> rates;
     for (size_t g = 0; g < run.reference_groups.size(); ++g) {
       run.reference_groups[g].lr = kLearningRates[s % 3] * (1.0 + 0.5 * static_cast<double>(g));
       groups.push_back(to_api(run.reference_groups[g], run.schedules[g], run.iterations[g]));
       groups.back().ns.algorithm = run.algorithm;
+      rates.push_back(static_cast<float>(run.reference_groups[g].lr));
+    }
+    Buffer rates_buffer;
+    if (run.lr_on_device) {
+      std::vector<unsigned char> bytes(rates.size() * sizeof(float));
+      std::memcpy(bytes.data(), rates.data(), bytes.size());
+      rates_buffer = harness.upload(bytes);
+      for (size_t g = 0; g < groups.size(); ++g) {
+        groups[g].lr = std::numeric_limits<double>::quiet_NaN();  // ignored
+        groups[g].lr_on_device = static_cast<const float*>(rates_buffer.data()) + g;
+      }
     }
     std::vector<shardmuon_muon_param> api;
     for (Parameter& p : run.params) {
@@ -439,6 +454,48 @@ TEST_F(MuonStepBatches, OwnersWithManyMatricesExchangeSeveralPerRound) {
     StepRun run{params, {ReferenceGroup{}}, {SHARDMUON_SCHEDULE_QUINTIC}, {5}};
     run.algorithm = SHARDMUON_NS_OWNER;
     run_and_compare(group, run, 2, "many small matrices P=" + std::to_string(p));
+  }
+}
+
+// Learning rates read from backend memory (lr_on_device, the host lr NaN and ignored), a new
+// value every step, under every weight decay mode (decoupled and independent decay differ in
+// whether lr enters the decay) and both policies' final passes (the checked commit pass, the
+// unchecked update pass), against the reference with those rates; on 1-4 ranks.
+TEST_F(MuonStepBatches, LearningRateOnDeviceMatchesTheReference) {
+  for (int p = 1; p <= Harness::get().max_group_size(); ++p) {
+    const Group& group = Harness::get().group(p);
+    if (!group.member) continue;
+    for (const shardmuon_nonfinite_policy policy :
+         {SHARDMUON_NONFINITE_SKIP, SHARDMUON_NONFINITE_PROCEED}) {
+      ASSERT_EQ(shardmuon_context_set_nonfinite_policy(Harness::get().context(), policy),
+                SHARDMUON_SUCCESS);
+      for (const shardmuon_weight_decay mode :
+           {SHARDMUON_WEIGHT_DECAY_DECOUPLED, SHARDMUON_WEIGHT_DECAY_INDEPENDENT,
+            SHARDMUON_WEIGHT_DECAY_L2, SHARDMUON_WEIGHT_DECAY_NONE}) {
+        std::vector<Parameter> params;
+        params.push_back(
+            make_parameter(24, 40, SHARDMUON_FLOAT32, SHARDMUON_SHARDED_DIM1, p, 71, 3));
+        params.push_back(
+            make_parameter(33, 18, SHARDMUON_BFLOAT16, SHARDMUON_SHARDED_DIM0, p, 72, 3));
+        params.push_back(make_parameter(12, 20, SHARDMUON_FLOAT32, SHARDMUON_REPLICATED, p, 73, 3));
+        params[1].group = 1;
+        ReferenceGroup first, second;
+        first.weight_decay_mode = second.weight_decay_mode = mode;
+        first.weight_decay = 0.1;  // large enough that a wrong decay shows
+        second.weight_decay = 0.05;
+        StepRun run{params,
+                    {first, second},
+                    {SHARDMUON_SCHEDULE_QUINTIC, SHARDMUON_SCHEDULE_POLAR_EXPRESS},
+                    {5, 6}};
+        run.lr_on_device = true;
+        run_and_compare(group, run, 3,
+                        "lr on device, decay mode " + std::to_string(mode) + ", policy " +
+                            std::to_string(policy) + " P=" + std::to_string(p));
+      }
+    }
+    ASSERT_EQ(
+        shardmuon_context_set_nonfinite_policy(Harness::get().context(), SHARDMUON_NONFINITE_SKIP),
+        SHARDMUON_SUCCESS);
   }
 }
 

@@ -70,8 +70,9 @@ def sharded_checks(rank, world, device):
                            error.item() < tolerance[dtype], f"error {error.item():.2e} (tolerance {tolerance[dtype]:.0e})")
 
     # A step captured with torch.cuda.graph after one uncaptured step, replayed with new
-    # gradients copied into the same tensors (the learning rate is the captured one); a dim-0
-    # shard and a flat (ZeRO-style) one.
+    # gradients copied into the same tensors; a dim-0 shard and a flat (ZeRO-style) one. With a
+    # float lr the graph replays the captured rate; with a float32 tensor lr the kernels read
+    # it when they run, so a schedule filled in between replays takes effect.
     generator = torch.Generator().manual_seed(5)
     shapes = [(384, 1152), (96, 200)]
     wholes = [(0.05 * torch.randn(r, c, generator=generator, dtype=torch.float64)).float() for r, c in shapes]
@@ -86,38 +87,45 @@ def sharded_checks(rank, world, device):
             return shard_of(x, 0, row_sizes, rank).to(device)
         return x.reshape(-1)[flat_start:flat_start + flat_sizes[rank]].clone().to(device)
 
-    params = [torch.nn.Parameter(pieces(i, w)) for i, w in enumerate(wholes)]
-    params[0].partition_dim = 0
-    params[1].partition_dim = "flat"
-    params[1].muon_shape = shapes[1]
-    optimizer = st.Muon(params, lr=0.02, weight_decay=0.1, process_group=dist.group.WORLD)
-    for i, p in enumerate(params):
-        p.grad = pieces(i, grads[i][0])
-    optimizer.step()
-    for i, p in enumerate(params):
-        p.grad.copy_(pieces(i, grads[i][1]))
-    graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(graph):
-            optimizer.step()
-        graph.replay()
-        torch.cuda.synchronize()
+    def check_captured(name, rates, tensor_lr):
+        params = [torch.nn.Parameter(pieces(i, w)) for i, w in enumerate(wholes)]
+        params[0].partition_dim = 0
+        params[1].partition_dim = "flat"
+        params[1].muon_shape = shapes[1]
+        lr = torch.tensor(rates[0], dtype=torch.float32, device=device) if tensor_lr else rates[0]
+        optimizer = st.Muon(params, lr=lr, weight_decay=0.1, process_group=dist.group.WORLD)
         for i, p in enumerate(params):
-            p.grad.copy_(pieces(i, grads[i][2]))
-        graph.replay()
-        torch.cuda.synchronize()
-        worst = 0.0
-        for i, p in enumerate(params):
-            w_ref, m_ref = wholes[i].double(), torch.zeros(shapes[i], dtype=torch.float64)
-            for step in range(3):
-                w_ref, m_ref = reference.muon_step(w_ref, grads[i][step], m_ref, lr=0.02, weight_decay=0.1)
-            worst = max(worst, reference.relative_error(p.detach().cpu(), pieces(i, w_ref).cpu()))
-        error = torch.tensor(worst, device=device)
-        dist.all_reduce(error, op=dist.ReduceOp.MAX)
-        record("a step captured with torch.cuda.graph replays like uncaptured steps",
-               error.item() < 2e-5, f"error {error.item():.2e}")
-    except Exception as failure:  # noqa: BLE001 (the check reports any failure)
-        record("a step captured with torch.cuda.graph replays like uncaptured steps", False, f"({failure})")
+            p.grad = pieces(i, grads[i][0])
+        optimizer.step()
+        try:
+            graph = torch.cuda.CUDAGraph()
+            for step in (1, 2):
+                for i, p in enumerate(params):
+                    p.grad.copy_(pieces(i, grads[i][step]))
+                if tensor_lr:
+                    lr.fill_(rates[step])
+                if step == 1:
+                    with torch.cuda.graph(graph):
+                        optimizer.step()
+                graph.replay()
+                torch.cuda.synchronize()
+            worst = 0.0
+            for i, p in enumerate(params):
+                w_ref, m_ref = wholes[i].double(), torch.zeros(shapes[i], dtype=torch.float64)
+                for step in range(3):
+                    w_ref, m_ref = reference.muon_step(w_ref, grads[i][step], m_ref, lr=rates[step],
+                                                       weight_decay=0.1)
+                worst = max(worst, reference.relative_error(p.detach().cpu(), pieces(i, w_ref).cpu()))
+            error = torch.tensor(worst, device=device)
+            dist.all_reduce(error, op=dist.ReduceOp.MAX)
+            record(name, error.item() < 2e-5, f"error {error.item():.2e}")
+        except Exception as failure:  # noqa: BLE001 (the check reports any failure)
+            record(name, False, f"({failure})")
+
+    check_captured("a step captured with torch.cuda.graph replays like uncaptured steps",
+                   [0.02, 0.02, 0.02], tensor_lr=False)
+    check_captured("a captured step with a tensor lr follows the rate filled in between replays",
+                   [0.02, 0.05, 0.01], tensor_lr=True)
 
     # A parameter without gradient on every rank is skipped.
     p = torch.nn.Parameter(torch.randn(64, 32, device=device))
