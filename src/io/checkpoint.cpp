@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -154,7 +155,10 @@ json group_to_json(const shardmuon_muon_group& group) {
       coefficients.push_back({k.a, k.b, k.c});
     ns["custom_coefficients"] = coefficients;
   }
-  return {{"lr", group.lr},
+  // A group that reads its learning rate from device memory may leave lr unset (NaN): the
+  // index then records null, and loading keeps the caller's lr.
+  const json lr = std::isfinite(group.lr) ? json(group.lr) : json(nullptr);
+  return {{"lr", lr},
           {"momentum", group.momentum},
           {"nesterov", group.nesterov != 0},
           {"weight_decay", group.weight_decay},
@@ -168,7 +172,7 @@ json group_to_json(const shardmuon_muon_group& group) {
 shardmuon_muon_group group_from_json(const json& saved, const shardmuon_muon_group& caller,
                                      int index) {
   shardmuon_muon_group group = caller;
-  group.lr = saved.at("lr").get<double>();
+  if (!saved.at("lr").is_null()) group.lr = saved.at("lr").get<double>();
   group.momentum = saved.at("momentum").get<double>();
   group.nesterov = saved.at("nesterov").get<bool>() ? 1 : 0;
   group.weight_decay = saved.at("weight_decay").get<double>();

@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -207,6 +208,30 @@ TEST_F(Checkpoint, LoadsWithoutGroupsAndIntoAnotherDtype) {
     EXPECT_EQ(from_bytes(loaded[0], SHARDMUON_BFLOAT16),
               rounded_to(state.params[0].momentum, SHARDMUON_BFLOAT16).values);
   }
+}
+
+// A group whose learning rate lives in device memory (lr_on_device) may leave lr NaN: the
+// checkpoint records no lr and loading keeps the caller's, the pointer included.
+TEST_F(Checkpoint, ADeviceLearningRateIsNotSavedAndLoadingKeepsTheCallers) {
+  const Group& group = Harness::get().group(1);
+  if (!group.member) return;
+  const std::vector<unsigned char> bytes(sizeof(float), 0);
+  const Buffer rate = Harness::get().upload(bytes);
+  State state(group, 0, false);
+  shardmuon_muon_group hyper = some_group(std::numeric_limits<double>::quiet_NaN());
+  hyper.lr_on_device = static_cast<const float*>(rate.data());
+  ASSERT_EQ(save(group, state, directory_, hyper, 5), SHARDMUON_SUCCESS) << shardmuon_last_error();
+  State other(group, 0, true);
+  shardmuon_muon_group loaded = some_group(0.25);
+  loaded.lr_on_device = static_cast<const float*>(rate.data());
+  loaded.momentum = 0.5;  // replaced by the saved 0.9
+  int64_t step = 0;
+  ASSERT_EQ(load(group, other, directory_, &loaded, &step), SHARDMUON_SUCCESS)
+      << shardmuon_last_error();
+  EXPECT_EQ(step, 5);
+  EXPECT_EQ(loaded.lr, 0.25);
+  EXPECT_EQ(loaded.momentum, 0.9);
+  EXPECT_EQ(loaded.lr_on_device, static_cast<const float*>(rate.data()));
 }
 
 // Damaged checkpoints: every rank gets an error, and no momentum buffer, step or group changes.
