@@ -114,6 +114,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     group.weight_decay = in.take<uint8_t>() % 3 ? 0.01 : in.number();
     group.weight_decay_mode = static_cast<shardmuon_weight_decay>(in.small(-1, 4));
     group.scale_mode = static_cast<shardmuon_scale_mode>(in.small(-1, 4));
+    // A learning rate in memory, or a misaligned pointer (refused before it is read).
+    static float device_lr = 0.02f;
+    const int lr_choice = in.small(0, 3);
+    group.lr_on_device =
+        lr_choice == 1 ? &device_lr
+        : lr_choice == 2
+            ? reinterpret_cast<const float*>(reinterpret_cast<const char*>(&device_lr) + 1)
+            : nullptr;
     shardmuon_muon_param p{};
     p.param = pointer_into(param, in.small(0, 2));
     p.grad = in.take<uint8_t>() % 5 ? pointer_into(grad, in.small(0, 2)) : p.param;  // aliasing
