@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.join(here, "..", "python"))
 sys.path.insert(0, here)
 import shardmuon.torch as st  # noqa: E402
 from bench_newton_schulz import torch_newton_schulz  # noqa: E402
-from bench_step import LR, MOMENTUM, STEPS, WEIGHT_DECAY, Clock, scale  # noqa: E402
+from bench_step import LR, MOMENTUM, STEPS, WEIGHT_DECAY, Clock, scale, state_resetter  # noqa: E402
 
 EXPERTS = [("qwen3-30b-a3b.gate_up", 128, 1536, 2048), ("qwen3-30b-a3b.down", 128, 2048, 768),
            ("deepseek-v2-lite.gate_up", 64, 2816, 2048), ("deepseek-v2-lite.down", 64, 2048, 1408)]
@@ -126,13 +126,7 @@ def main():
     emit("|---|---|---|---|---|---|")
 
     params = [torch.nn.Parameter(w.clone()) for w, _, _ in initial]
-
-    def reset(optimizer=None):
-        for p, (w, g, m) in zip(params, initial):
-            p.data.copy_(w)
-            p.grad = g
-            if optimizer is not None:
-                optimizer.state[p]["momentum_buffer"] = m.clone()
+    reset = state_resetter(params, initial)
 
     results = {}
     for label, batched in (("torch loop", False), ("torch batched", True)):

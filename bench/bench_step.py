@@ -79,6 +79,18 @@ class Clock:
         return float(median)
 
 
+def state_resetter(params, initial):
+    """A function that puts every parameter back to its initial (weight, gradient) and, given
+    an optimizer, its momentum: the same state before every timed step."""
+    def reset(optimizer=None):
+        for p, (w, g, m) in zip(params, initial):
+            p.data.copy_(w)
+            p.grad = g
+            if optimizer is not None:
+                optimizer.state[p]["momentum_buffer"] = m.clone()
+    return reset
+
+
 def baseline_step(params, grads, momenta, shapes, coefficients, world, rank, gather):
     """One Muon step in PyTorch per parameter (TE's lerp momentum, Nesterov, decoupled decay)."""
     for p, g, m, (name, rows, cols, dim, sizes) in zip(params, grads, momenta, shapes):
@@ -189,13 +201,7 @@ def main():
 
     results = {}
     params = [torch.nn.Parameter(w.clone()) for w, _, _ in initial]
-
-    def reset(optimizer=None):
-        for p, (w, g, m) in zip(params, initial):
-            p.data.copy_(w)
-            p.grad = g
-            if optimizer is not None:
-                optimizer.state[p]["momentum_buffer"] = m.clone()
+    reset = state_resetter(params, initial)
 
     for loop, gather in (("gram loop", False), ("all-gather loop", True)):
         momenta = [m.clone() for _, _, m in initial]
