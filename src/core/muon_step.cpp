@@ -475,6 +475,29 @@ NsProblem batch_of(NsProblem one, int64_t count) {
   return one;
 }
 
+// Runs the Newton-Schulz of `count` matrices in batches: matrix i has the problem problem_of(i)
+// and lies at data_of(i); it joins the batch of the matrices before it when it has their
+// problem, lies right after the one before, and the batch is below its limit.
+template <typename ProblemOf, typename DataOf>
+void run_in_batches(Backend& backend, Communicator& comm, size_t count, ProblemOf problem_of,
+                    DataOf data_of, Stream stream, size_t workspace_offset) {
+  for (size_t first = 0; first < count;) {
+    const NsProblem& problem = problem_of(first);
+    const int64_t limit = batch_limit(backend, problem);
+    const size_t bytes = static_cast<size_t>(problem.layout.rows() * problem.layout.cols()) *
+                         element_size(problem.dtype);
+    size_t end = first + 1;
+    while (end < count && static_cast<int64_t>(end - first) < limit &&
+           batchable_together(problem, problem_of(end)) &&
+           static_cast<char*>(data_of(end)) == static_cast<char*>(data_of(end - 1)) + bytes) {
+      ++end;
+    }
+    run_newton_schulz(backend, comm, batch_of(problem, static_cast<int64_t>(end - first)),
+                      data_of(first), stream, workspace_offset);
+    first = end;
+  }
+}
+
 // The scratch a batch of `one` may need when `available` such matrices could join it: the
 // most matrices a batch of it can have (the scratch grows with the batch).
 size_t batch_scratch_bytes(const Backend& backend, const NsProblem& one, size_t available, int rank,
@@ -561,6 +584,7 @@ struct StepLayout {
     const size_t owned_here = static_cast<size_t>(
         std::count_if(step.owned.begin(), step.owned.end(),
                       [rank](const OwnedMatrix& m) { return m.owner == rank; }));
+    const NsProblem* sized = nullptr;  // the last problem sized (its batches need the same)
     for (size_t k = 0; k < owned; ++k) {
       const OwnedMatrix& m = step.owned[k];
       if (!m.ns.layout.is_sharded()) {
@@ -570,7 +594,10 @@ struct StepLayout {
       }
       if (m.owner != rank) continue;
       layout.matrix[k] = take(whole_bytes(m.whole));
-      scratch = std::max(scratch, batch_scratch_bytes(backend, m.whole, owned_here, 0, 1));
+      if (sized == nullptr || !batchable_together(*sized, m.whole)) {
+        scratch = std::max(scratch, batch_scratch_bytes(backend, m.whole, owned_here, 0, 1));
+        sized = &m.whole;
+      }
     }
     if (layout.gathers) {
       layout.gather_block_bytes = *std::max_element(results_of.begin(), results_of.end());
@@ -582,9 +609,12 @@ struct StepLayout {
       if (plan.row_blocks.empty()) {
         scratch = std::max(scratch, newton_schulz_workspace_bytes(backend, plan.ns, rank, ranks));
       }
+      const NsProblem* block_sized = nullptr;
       for (const MuonParamPlan::RowBlock& block : plan.row_blocks) {
+        if (block_sized != nullptr && batchable_together(*block_sized, block.ns)) continue;
         scratch = std::max(
             scratch, batch_scratch_bytes(backend, block.ns, plan.row_blocks.size(), rank, ranks));
+        block_sized = &block.ns;
       }
     }
     layout.scratch = offset;
@@ -717,24 +747,13 @@ void run_owner_batch(Backend& backend, Communicator& comm, const ValidatedMuonSt
     // The round's matrices in batches of consecutive ones with the same problem (their whole
     // matrices lie one after another when their sizes are multiples of the slot alignment).
     const auto [first, last] = round_of(rank, r);
-    for (size_t i = first; i < last;) {
-      const NsProblem& problem = step.owned[owned_by[rank][i]].whole;
-      const int64_t limit = batch_limit(backend, problem);
-      size_t end = i + 1;
-      while (end < last && static_cast<int64_t>(end - i) < limit) {
-        const size_t k = owned_by[rank][end], previous = owned_by[rank][end - 1];
-        if (!batchable_together(problem, step.owned[k].whole) ||
-            layout.matrix[k] != layout.matrix[previous] + whole_bytes(problem)) {
-          break;
-        }
-        ++end;
-      }
-      for (size_t j = i; j < end; ++j) move_matrix(owned_by[rank][j], true);
-      run_newton_schulz(backend, comm, batch_of(problem, static_cast<int64_t>(end - i)),
-                        base + layout.matrix[owned_by[rank][i]], stream, layout.scratch);
-      for (size_t j = i; j < end; ++j) move_matrix(owned_by[rank][j], false);
-      i = end;
-    }
+    for (size_t i = first; i < last; ++i) move_matrix(owned_by[rank][i], true);
+    run_in_batches(
+        backend, comm, last - first,
+        [&](size_t i) -> const NsProblem& { return step.owned[owned_by[rank][first + i]].whole; },
+        [&](size_t i) -> void* { return base + layout.matrix[owned_by[rank][first + i]]; }, stream,
+        layout.scratch);
+    for (size_t i = first; i < last; ++i) move_matrix(owned_by[rank][i], false);
     // The next round's pieces, which the next round's products wait for (and, with them, for
     // the results of the round before this one, sent back meanwhile).
     if (r + 1 < rounds) {
@@ -806,20 +825,10 @@ void run_muon_step(Backend& backend, Communicator& comm, const ValidatedMuonStep
     // Stacked matrices on this rank alone (replicated, or a group of one) in batches.
     const size_t element = element_size(plan.ns.dtype);
     const std::vector<MuonParamPlan::RowBlock>& blocks = plan.row_blocks;
-    for (size_t b = 0; b < blocks.size();) {
-      const NsProblem& problem = blocks[b].ns;
-      const int64_t limit = batch_limit(backend, problem);
-      size_t end = b + 1;
-      while (end < blocks.size() && static_cast<int64_t>(end - b) < limit &&
-             batchable_together(problem, blocks[end].ns) &&
-             blocks[end].offset ==
-                 blocks[end - 1].offset + problem.layout.rows() * problem.layout.cols()) {
-        ++end;
-      }
-      run_newton_schulz(backend, comm, batch_of(problem, static_cast<int64_t>(end - b)),
-                        update + blocks[b].offset * element, stream, layout.scratch);
-      b = end;
-    }
+    run_in_batches(
+        backend, comm, blocks.size(), [&](size_t b) -> const NsProblem& { return blocks[b].ns; },
+        [&](size_t b) -> void* { return update + blocks[b].offset * element; }, stream,
+        layout.scratch);
   }
 
   if (!checked) {

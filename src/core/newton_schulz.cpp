@@ -146,9 +146,6 @@ void gram_product(Backend& backend, Communicator* comm, shardmuon_dtype dtype,
   const size_t element = element_size(dtype), accumulate_element = element_size(accumulate);
   const SymmetricTiles& tiles = buffers.tiles;
   const Stream side = comm != nullptr ? backend.side_stream(stream) : stream;
-  if (comm != nullptr && buffers.batch != 1) {
-    fail(SHARDMUON_ERROR_INTERNAL, "a batch of matrices runs on one rank only");
-  }
   if (block.length == 0) {  // an empty shard contributes nothing to the sum
     backend.fill_zero(buffers.gram_packed, tiles.packed_elements() * accumulate_element, stream);
   }

@@ -224,8 +224,9 @@ void check_launch(const char* kernel) {
 }  // namespace
 
 size_t sum_of_squares_scratch_bytes_cuda(shardmuon_dtype dtype, int64_t count, int64_t batch) {
-  if (batch > 1)
+  if (batch > 1) {  // the chunks' partial sums
     return static_cast<size_t>(batch * chunks_per_vector(count, batch)) * sizeof(float);
+  }
   size_t bytes = 0;
   if (dtype == SHARDMUON_BFLOAT16) {
     bytes = transform_reduce<__nv_bfloat16>(nullptr, 0, nullptr, count, nullptr, nullptr);
