@@ -68,8 +68,15 @@ if command -v clang++ >/dev/null 2>&1; then
   CC=clang CXX=clang++ cmake -S "$root" -B "$fuzz" -G Ninja -DSHARDMUON_WITH_CUDA=OFF \
     -DSHARDMUON_WITH_MPI=OFF -DSHARDMUON_BUILD_FUZZERS=ON -DSHARDMUON_BUILD_EXAMPLES=OFF \
     -DSHARDMUON_SANITIZE=address,undefined,fuzzer-no-link -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-    -DSHARDMUON_WARNINGS_AS_ERRORS=ON >"$fuzz/configure.log" 2>&1 && cmake --build "$fuzz" >/dev/null
+    -DSHARDMUON_WARNINGS_AS_ERRORS=ON >"$fuzz/configure.log" 2>&1 &&
+    cmake --build "$fuzz" >"$fuzz/build.log" 2>&1 || {
+    # A build that fails (clang is stricter than GCC here) is reported, not a silent exit.
+    grep -E "error" -A3 "$fuzz/build.log" 2>/dev/null | head -20 || true
+    summary+=("fuzzers: build FAILED (see $fuzz/build.log)")
+    status=1
+  }
   for target in api checkpoint; do
+    [[ -x "$fuzz/tests/fuzz/fuzz_$target" ]] || continue
     work="$fuzz/corpus-$target"
     mkdir -p "$work"
     if (cd "$fuzz" && "./tests/fuzz/fuzz_$target" -max_total_time="${SHARDMUON_FUZZ_SECONDS:-60}" \

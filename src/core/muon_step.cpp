@@ -746,7 +746,9 @@ void run_owner_batch(Backend& backend, Communicator& comm, const ValidatedMuonSt
     };
     // The round's matrices in batches of consecutive ones with the same problem (their whole
     // matrices lie one after another when their sizes are multiples of the slot alignment).
-    const auto [first, last] = round_of(rank, r);
+    // (Named locals, not a structured binding: C++17 lambdas cannot capture those.)
+    const std::pair<size_t, size_t> round = round_of(rank, r);
+    const size_t first = round.first, last = round.second;
     for (size_t i = first; i < last; ++i) move_matrix(owned_by[rank][i], true);
     run_in_batches(
         backend, comm, last - first,
