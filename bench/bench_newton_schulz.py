@@ -175,8 +175,9 @@ def triangle_elements(s, target=None, max_blocks=16):
 
 def floor_ms(s, length, iterations, rates, dtype_name, world, algorithm, accumulate_bytes=4):
     """shardmuon's executed GEMM flops over the measured GEMM rate, plus the communication
-    it cannot hide: the last block column of each Gram all-reduce, and for (d) the two
-    all-to-alls."""
+    it cannot hide: the last block column of each Gram all-reduce, and for (d) the first
+    piece of the exchange in and the last piece out (the library moves the shards in four
+    pieces, each beside products)."""
     s, length = -(-s // 8) * 8, -(-length // 8) * 8  # the library pads to multiples of 8
     packed, last_width = triangle_elements(s)
     local_length = length / world if world > 1 else length
@@ -188,7 +189,9 @@ def floor_ms(s, length, iterations, rates, dtype_name, world, algorithm, accumul
         comm += iterations * tail * 2 * (world - 1) / world / rates["all_reduce_bus"] * 1e3
         if algorithm.endswith("redistributed"):
             element = 2 if dtype_name == "bf16" else 4
-            comm += 2 * (s * length / world) * element * (world - 1) / world / rates["all_to_all"] * 1e3
+            pieces = 4  # kExchangePieces in src/core/ns_cost_model.h
+            moved = (s * length / world) * element * (world - 1) / world
+            comm += 2 * moved / pieces / rates["all_to_all"] * 1e3
     return compute, comm
 
 

@@ -1,6 +1,7 @@
 #include "core/newton_schulz.h"
 
 #include <algorithm>
+#include <utility>
 
 #include "core/dtype.h"
 #include "core/error.h"
@@ -86,9 +87,11 @@ struct IterationSlots {
   size_t reduce_scratch_bytes;
   int64_t batch = 1;
 
+  // The norm is taken over norm_elements values per matrix (the block's, or for (d) the
+  // shard's, before it moves).
   static IterationSlots reserve(WorkspaceCarver& carver, const Backend& backend,
                                 shardmuon_dtype dtype, const WideBlock& block, bool gram_iteration,
-                                int64_t batch) {
+                                int64_t batch, int64_t norm_elements) {
     const size_t storage = element_size(dtype);
     const size_t accumulate = element_size(accumulate_dtype(dtype));
     IterationSlots slots;
@@ -108,8 +111,7 @@ struct IterationSlots {
     slots.other_full = carver.reserve(gram_iteration ? full * storage : 0);
     slots.work_packed = carver.reserve(gram_iteration ? packed * accumulate : 0);
     slots.sum_of_squares = carver.reserve(accumulate * batch);
-    slots.reduce_scratch_bytes =
-        backend.sum_of_squares_scratch_bytes(dtype, block.elements(), batch);
+    slots.reduce_scratch_bytes = backend.sum_of_squares_scratch_bytes(dtype, norm_elements, batch);
     slots.reduce_scratch = carver.reserve(slots.reduce_scratch_bytes);
     return slots;
   }
@@ -135,52 +137,267 @@ struct IterationSlots {
   }
 };
 
+// A sub-matrix of a row-major buffer.
+struct Block {
+  int64_t row0, col0, rows, cols;
+  int64_t elements() const { return rows * cols; }
+};
+
+// Piece `piece` of a long side of `extent`: [first, last), split at multiples of
+// kProductAlignment elements (aligned operands for the products); the later pieces of a
+// short side may be empty.
+std::pair<int64_t, int64_t> piece_range(int64_t extent, int piece) {
+  const int64_t width = padded_extent((extent + kExchangePieces - 1) / kExchangePieces);
+  return {std::min(extent, piece * width), std::min(extent, (piece + 1) * width)};
+}
+
+// The geometry of (d) on one rank: the shards lie along the short side; each rank's
+// long-side block comes from a balanced split of the long side.
+struct Redistribution {
+  std::vector<Block>
+      to_target;  // my shard's part that becomes rank r's block (my shard's coordinates)
+  std::vector<Block> from_source;     // rank r's part of my block (my block's coordinates)
+  std::vector<int64_t> target_sizes;  // every rank's block along the long side
+  int rank = 0, source_dim = 0;
+  int64_t source_ld = 0, target_rows = 0, target_cols = 0;
+
+  static Redistribution of(const ShardLayout& layout, int rank, int ranks) {
+    const int source_dim = layout.sharded_dim();
+    const std::vector<int64_t>& source_sizes = layout.shard_sizes();
+    const std::vector<int64_t>& source_offsets = layout.shard_offsets();
+    const int64_t long_extent = source_dim == 0 ? layout.cols() : layout.rows();
+    Redistribution r;
+    r.rank = rank;
+    r.source_dim = source_dim;
+    r.target_sizes = balanced_split(long_extent, ranks);
+    const std::vector<int64_t> target_offsets = prefix_offsets(r.target_sizes);
+    r.to_target.resize(ranks);
+    r.from_source.resize(ranks);
+    for (int peer = 0; peer < ranks; ++peer) {
+      r.to_target[peer] =
+          r.block_of(0, source_sizes[rank], target_offsets[peer], r.target_sizes[peer]);
+      r.from_source[peer] =
+          r.block_of(source_offsets[peer], source_sizes[peer], 0, r.target_sizes[rank]);
+    }
+    r.source_ld = source_dim == 0 ? layout.cols() : source_sizes[rank];
+    r.target_rows = source_dim == 0 ? layout.rows() : r.target_sizes[rank];
+    r.target_cols = source_dim == 0 ? r.target_sizes[rank] : layout.cols();
+    return r;
+  }
+
+  // A block given by its range along the source dim and along the long side.
+  Block block_of(int64_t source_start, int64_t source_length, int64_t long_start,
+                 int64_t long_length) const {
+    return source_dim == 0 ? Block{source_start, long_start, source_length, long_length}
+                           : Block{long_start, source_start, long_length, source_length};
+  }
+  // The part of `block` from `first` to `last` along the long side, counted from its start.
+  Block part_of(const Block& block, int64_t first, int64_t last) const {
+    return source_dim == 0 ? Block{block.row0, block.col0 + first, block.rows, last - first}
+                           : Block{block.row0 + first, block.col0, last - first, block.cols};
+  }
+
+  // Piece `piece` of my block's long side (piece_range).
+  std::pair<int64_t, int64_t> my_piece(int piece) const {
+    return piece_range(target_sizes[rank], piece);
+  }
+  // My shard's part of every rank's piece (my shard's coordinates).
+  std::vector<Block> shard_parts(int piece) const {
+    std::vector<Block> parts(to_target.size());
+    for (size_t r = 0; r < parts.size(); ++r) {
+      const auto range = piece_range(target_sizes[r], piece);
+      parts[r] = part_of(to_target[r], range.first, range.second);
+    }
+    return parts;
+  }
+  // Every rank's part of my piece (my block's coordinates).
+  std::vector<Block> block_parts(int piece) const {
+    const auto range = my_piece(piece);
+    std::vector<Block> parts(from_source.size());
+    for (size_t r = 0; r < parts.size(); ++r) {
+      parts[r] = part_of(from_source[r], range.first, range.second);
+    }
+    return parts;
+  }
+  // The staging one exchange of a piece needs, sent or received (the first piece is the
+  // widest; the own part is copied directly).
+  int64_t staged_elements() const {
+    int64_t sent = 0, received = 0;
+    const std::vector<Block> out = shard_parts(0), in = block_parts(0);
+    for (size_t r = 0; r < out.size(); ++r) {
+      if (static_cast<int>(r) == rank) continue;
+      sent += out[r].elements();
+      received += in[r].elements();
+    }
+    return std::max(sent, received);
+  }
+};
+
+// Every rank sends send_blocks[r] of its buffer `src` to rank r and receives recv_blocks[r]
+// of `dst` from rank r. Blocks are packed into contiguous staging buffers around one
+// all-to-all; the rank's own block is copied directly.
+void exchange_blocks(Backend& backend, Communicator& comm, size_t element, const void* src,
+                     int64_t src_ld, const std::vector<Block>& send_blocks, void* dst,
+                     int64_t dst_ld, const std::vector<Block>& recv_blocks, char* stage_send,
+                     char* stage_recv, Stream stream) {
+  const int ranks = comm.size();
+  std::vector<size_t> send_bytes(ranks), send_offsets(ranks), recv_bytes(ranks),
+      recv_offsets(ranks);
+  size_t send_total = 0, recv_total = 0;
+  auto at = [element](auto* base, int64_t ld, const Block& block) {
+    return byte_offset(base, (block.row0 * ld + block.col0) * element);
+  };
+  for (int r = 0; r < ranks; ++r) {
+    const Block& out = send_blocks[r];
+    send_offsets[r] = send_total;
+    recv_offsets[r] = recv_total;
+    if (r == comm.rank()) {
+      if (out.elements() > 0) {
+        backend.copy_2d(at(dst, dst_ld, recv_blocks[r]), dst_ld * element, at(src, src_ld, out),
+                        src_ld * element, out.cols * element, out.rows, stream);
+      }
+      continue;  // zero bytes through the all-to-all
+    }
+    send_bytes[r] = out.elements() * element;
+    if (send_bytes[r] > 0) {
+      backend.copy_2d(stage_send + send_total, out.cols * element, at(src, src_ld, out),
+                      src_ld * element, out.cols * element, out.rows, stream);
+    }
+    send_total += send_bytes[r];
+    recv_bytes[r] = recv_blocks[r].elements() * element;
+    recv_total += recv_bytes[r];
+  }
+  comm.all_to_all(stage_send, send_bytes, send_offsets, stage_recv, recv_bytes, recv_offsets,
+                  stream);
+  for (int r = 0; r < ranks; ++r) {
+    const Block& in = recv_blocks[r];
+    if (recv_bytes[r] == 0) continue;
+    backend.copy_2d(at(dst, dst_ld, in), dst_ld * element, stage_recv + recv_offsets[r],
+                    in.cols * element, in.cols * element, in.rows, stream);
+  }
+}
+
+// (d)'s two exchanges, piece by piece of the long side, on the backend's side stream: piece
+// c of every rank's block arrives while the first Gram's product over piece c - 1 runs, and
+// piece c of the result leaves while the last product computes piece c + 1. Only the first
+// arrival and the last departure are left in the open (a quarter of each exchange).
+class PiecewiseExchange {
+ public:
+  // Arrivals read the normalized shard and land in `block` (the iteration's padded block,
+  // leading dimension block_ld); departures read the given result (same layout) and land
+  // in the caller's shard.
+  PiecewiseExchange(Backend& backend, Communicator& comm, const Redistribution& geometry,
+                    size_t element, const void* normalized_shard, void* block, int64_t block_ld,
+                    void* local_shard, char* stage_send, char* stage_recv, Stream stream)
+      : backend_(backend),
+        comm_(comm),
+        geometry_(geometry),
+        element_(element),
+        normalized_shard_(normalized_shard),
+        block_(block),
+        block_ld_(block_ld),
+        local_shard_(local_shard),
+        stage_send_(stage_send),
+        stage_recv_(stage_recv),
+        side_(backend.side_stream(stream)) {}
+
+  int pieces() const { return kExchangePieces; }
+  // This rank's piece of its block: [first, last) along the long side.
+  std::pair<int64_t, int64_t> range(int piece) const { return geometry_.my_piece(piece); }
+
+  // Work enqueued on `stream` after this call starts once the piece has arrived. The first
+  // arrival starts after the work already on `stream` (the normalization); the later ones
+  // wait for nothing there, so they travel while the products run.
+  void arrive(int piece, Stream stream) {
+    if (piece == 0) backend_.order_after(side_, stream);
+    exchange_blocks(backend_, comm_, element_, normalized_shard_, geometry_.source_ld,
+                    geometry_.shard_parts(piece), block_, block_ld_, geometry_.block_parts(piece),
+                    stage_send_, stage_recv_, side_);
+    backend_.order_after(stream, side_);
+  }
+  // Sends the piece of `result` once the work already enqueued on `stream` is done.
+  void depart(int piece, const void* result, Stream stream) {
+    backend_.order_after(side_, stream);
+    exchange_blocks(backend_, comm_, element_, result, block_ld_, geometry_.block_parts(piece),
+                    local_shard_, geometry_.source_ld, geometry_.shard_parts(piece), stage_send_,
+                    stage_recv_, side_);
+  }
+  // Work enqueued on `stream` afterwards starts once every piece has left.
+  void finish(Stream stream) { backend_.order_after(stream, side_); }
+
+ private:
+  Backend& backend_;
+  Communicator& comm_;
+  const Redistribution& geometry_;
+  size_t element_;
+  const void* normalized_shard_;
+  void* block_;
+  int64_t block_ld_;
+  void* local_shard_;
+  char* stage_send_;
+  char* stage_recv_;
+  Stream side_;
+};
+
 // A = X X^T over this block's columns of X (the partial Gram of a long-side block), lower
 // block columns only, then unpacked for the next product. With comm, each block column is
 // summed over the group as soon as it is computed, on the backend's side stream, so that
-// the reduction of one block column overlaps the product of the next.
+// the reduction of one block column overlaps the product of the next. With arrivals, X
+// arrives piece by piece of the long side and each piece's products (summed into the
+// block columns) run while the next piece travels.
 void gram_product(Backend& backend, Communicator* comm, shardmuon_dtype dtype,
                   const WideBlock& block, const void* x, const IterationBuffers& buffers,
-                  Stream stream) {
+                  Stream stream, PiecewiseExchange* arrivals = nullptr) {
   const shardmuon_dtype accumulate = accumulate_dtype(dtype);
   const size_t element = element_size(dtype), accumulate_element = element_size(accumulate);
   const SymmetricTiles& tiles = buffers.tiles;
   const Stream side = comm != nullptr ? backend.side_stream(stream) : stream;
-  if (block.length == 0) {  // an empty shard contributes nothing to the sum
-    backend.fill_zero(buffers.gram_packed, tiles.packed_elements() * accumulate_element, stream);
-  }
-  for (int j = 0; j < tiles.blocks(); ++j) {
-    char* column = static_cast<char*>(buffers.gram_packed) + tiles.offset(j) * accumulate_element;
-    if (block.length > 0) {
-      // Rows start..s-1 of A's columns start..start+width-1: X[start:, :] X[start:start+width,
-      // :]^T.
-      GemmCall call;
-      call.m = tiles.rows(j);
-      call.n = tiles.width(j);
-      call.k = block.length;
-      call.ab_type = dtype;
-      call.cd_type = accumulate;
-      call.c = call.d = column;
-      call.ldc = call.ldd = tiles.rows(j);
-      call.batch = buffers.batch;
-      call.stride_a = call.stride_b = block.elements();
-      call.stride_c = call.stride_d = tiles.packed_elements();
-      call.overlaps_communication = comm != nullptr && j > 0;  // with block j-1's all-reduce
-      if (block.long_side_is_cols) {  // operand is X^T (length x s): (X^T)^T X^T
-        call.a = call.b = byte_offset(x, tiles.start(j) * block.length * element);
-        call.transpose_a = true;
-        call.lda = call.ldb = block.length;
-      } else {  // operand is X (s x length): X X^T
-        call.a = call.b = byte_offset(x, tiles.start(j) * element);
-        call.transpose_b = true;
-        call.lda = call.ldb = block.s;
+  const int pieces = arrivals != nullptr ? arrivals->pieces() : 1;
+  bool written = false;  // whether a product has written the block columns yet
+  for (int piece = 0; piece < pieces; ++piece) {
+    const auto range =
+        arrivals != nullptr ? arrivals->range(piece) : std::pair<int64_t, int64_t>(0, block.length);
+    if (arrivals != nullptr) arrivals->arrive(piece, stream);
+    const bool last_piece = piece + 1 == pieces, empty = range.second == range.first;
+    if (last_piece && !written && empty) {  // an empty block contributes nothing to the sum
+      backend.fill_zero(buffers.gram_packed, tiles.packed_elements() * accumulate_element, stream);
+    }
+    for (int j = 0; j < tiles.blocks(); ++j) {
+      char* column = static_cast<char*>(buffers.gram_packed) + tiles.offset(j) * accumulate_element;
+      if (!empty) {
+        // Rows start..s-1 of A's columns start..start+width-1: X[start:, range]
+        // X[start:start+width, range]^T.
+        GemmCall call;
+        call.m = tiles.rows(j);
+        call.n = tiles.width(j);
+        call.k = range.second - range.first;
+        call.beta = written ? 1.0 : 0.0;
+        call.ab_type = dtype;
+        call.cd_type = accumulate;
+        call.c = call.d = column;
+        call.ldc = call.ldd = tiles.rows(j);
+        call.batch = buffers.batch;
+        call.stride_a = call.stride_b = block.elements();
+        call.stride_c = call.stride_d = tiles.packed_elements();
+        // Beside block j-1's all-reduce, or the next piece's arrival.
+        call.overlaps_communication = comm != nullptr && (last_piece ? j > 0 : true);
+        if (block.long_side_is_cols) {  // operand is X^T (length x s): (X^T)^T X^T
+          call.a = call.b = byte_offset(x, (tiles.start(j) * block.length + range.first) * element);
+          call.transpose_a = true;
+          call.lda = call.ldb = block.length;
+        } else {  // operand is X (s x length): X X^T
+          call.a = call.b = byte_offset(x, (range.first * block.s + tiles.start(j)) * element);
+          call.transpose_b = true;
+          call.lda = call.ldb = block.s;
+        }
+        backend.gemm(call, stream);
       }
-      backend.gemm(call, stream);
+      if (comm != nullptr && last_piece) {
+        backend.order_after(side, stream);
+        comm->all_reduce_sum(column, tiles.elements(j), accumulate, side);
+      }
     }
-    if (comm != nullptr) {
-      backend.order_after(side, stream);
-      comm->all_reduce_sum(column, tiles.elements(j), accumulate, side);
-    }
+    written = written || !empty;
   }
   if (comm != nullptr) backend.order_after(stream, side);
   backend.unpack_symmetric(buffers.gram_packed, accumulate, tiles, buffers.batch, buffers.gram_full,
@@ -239,11 +456,12 @@ void gram_polynomial(Backend& backend, shardmuon_dtype dtype, const Coefficients
 }
 
 // x_next = P X for this block's columns of X (P is symmetric, so in the transposed view
-// X^T P = (P X)^T).
-void apply_polynomial(Backend& backend, shardmuon_dtype dtype, const WideBlock& block,
+// X^T P = (P X)^T), over columns [first, last) of the long side.
+void multiply_columns(Backend& backend, shardmuon_dtype dtype, const WideBlock& block,
                       int64_t batch, const void* poly_storage, const void* x, void* x_next,
-                      Stream stream) {
-  if (block.length == 0) return;
+                      int64_t first, int64_t last, bool overlaps_communication, Stream stream) {
+  if (last <= first) return;
+  const size_t element = element_size(dtype);
   GemmCall call;
   call.batch = batch;
   const int64_t x_stride = block.elements(), poly_stride = block.s * block.s;
@@ -251,45 +469,69 @@ void apply_polynomial(Backend& backend, shardmuon_dtype dtype, const WideBlock& 
   call.alpha = 1.0;
   call.beta = 0.0;
   call.ab_type = call.cd_type = dtype;
-  call.c = x_next;
-  call.d = x_next;
-  if (block.long_side_is_cols) {  // X_next^T (length x s) = X^T P
-    call.m = block.length;
+  call.overlaps_communication = overlaps_communication;
+  if (block.long_side_is_cols) {  // X_next^T (length x s) = X^T P, rows first..last-1
+    call.m = last - first;
     call.n = call.k = block.s;
-    call.a = x;
+    call.a = byte_offset(x, first * element);
     call.stride_a = x_stride;
     call.lda = block.length;
     call.b = poly_storage;
     call.stride_b = poly_stride;
     call.ldb = block.s;
+    call.d = byte_offset(x_next, first * element);
     call.ldc = call.ldd = block.length;
-  } else {  // X_next (s x length) = P X
+  } else {  // X_next (s x length) = P X, columns first..last-1
     call.m = call.k = block.s;
-    call.n = block.length;
+    call.n = last - first;
     call.a = poly_storage;
     call.stride_a = poly_stride;
     call.lda = block.s;
-    call.b = x;
+    call.b = byte_offset(x, first * block.s * element);
     call.stride_b = x_stride;
     call.ldb = block.s;
+    call.d = byte_offset(x_next, first * block.s * element);
     call.ldc = call.ldd = block.s;
   }
+  call.c = call.d;
   backend.gemm(call, stream);
 }
 
+// x_next = P X. With departures, piece by piece of the long side, each piece leaving for
+// its ranks while the next is computed.
+void apply_polynomial(Backend& backend, shardmuon_dtype dtype, const WideBlock& block,
+                      int64_t batch, const void* poly_storage, const void* x, void* x_next,
+                      Stream stream, PiecewiseExchange* departures = nullptr) {
+  if (departures == nullptr) {
+    multiply_columns(backend, dtype, block, batch, poly_storage, x, x_next, 0, block.length, false,
+                     stream);
+    return;
+  }
+  for (int piece = 0; piece < departures->pieces(); ++piece) {
+    const auto range = departures->range(piece);
+    multiply_columns(backend, dtype, block, batch, poly_storage, x, x_next, range.first,
+                     range.second, piece > 0, stream);
+    departures->depart(piece, x_next, stream);
+  }
+  departures->finish(stream);
+}
+
 // Newton-Schulz proper: every iteration forms the Gram of X and multiplies X by the
-// polynomial. Starts from buffers.x[0]; returns where the result is.
+// polynomial. Starts from buffers.x[0]; returns where the result is. With an exchange ((d)),
+// X arrives during the first Gram and the result leaves during the last product.
 const void* iterate_on_x(Backend& backend, Communicator* comm, const NsProblem& problem,
-                         const IterationBuffers& buffers, void* data, bool staged, Stream stream) {
+                         const IterationBuffers& buffers, void* data, bool staged,
+                         PiecewiseExchange* exchange, Stream stream) {
   const WideBlock& padded = buffers.padded;
   const void* x = buffers.x[0];
   const size_t iterations = problem.coefficients.size();
   for (size_t k = 0; k < iterations; ++k) {
     void* x_next = k + 1 == iterations && !staged ? data : buffers.x[(k + 1) % 2];
-    gram_product(backend, comm, problem.dtype, padded, x, buffers, stream);
+    gram_product(backend, comm, problem.dtype, padded, x, buffers, stream,
+                 k == 0 ? exchange : nullptr);
     gram_polynomial(backend, problem.dtype, problem.coefficients[k], buffers, stream);
     apply_polynomial(backend, problem.dtype, padded, buffers.batch, buffers.poly_full, x, x_next,
-                     stream);
+                     stream, k + 1 == iterations ? exchange : nullptr);
     x = x_next;
   }
   return x;
@@ -300,10 +542,10 @@ const void* iterate_on_x(Backend& backend, Communicator* comm, const NsProblem& 
 // multiplied once, by M, at the end. Q, R, M and R Q are polynomials in the first R, so they
 // are symmetric and commute: every product is computed as lower block columns. The
 // iteration restarts (X <- M X, R recomputed from it, M <- I) every gram_iteration_restart
-// steps.
+// steps. An exchange is used as by iterate_on_x.
 const void* iterate_on_gram(Backend& backend, Communicator* comm, const NsProblem& problem,
                             const IterationBuffers& buffers, void* data, bool staged,
-                            Stream stream) {
+                            PiecewiseExchange* exchange, Stream stream) {
   const shardmuon_dtype dtype = problem.dtype, accumulate = accumulate_dtype(dtype);
   const WideBlock& padded = buffers.padded;
   const SymmetricTiles& tiles = buffers.tiles;
@@ -318,7 +560,9 @@ const void* iterate_on_gram(Backend& backend, Communicator* comm, const NsProble
   for (size_t k = 0; k < iterations; ++k) {
     const bool first = k % restart == 0;
     const bool last = k + 1 == iterations || (k + 1) % restart == 0;
-    if (first) gram_product(backend, comm, dtype, padded, x, buffers, stream);  // R
+    if (first) {  // R
+      gram_product(backend, comm, dtype, padded, x, buffers, stream, k == 0 ? exchange : nullptr);
+    }
     gram_polynomial(backend, dtype, problem.coefficients[k], buffers, stream);  // Q
     if (first) {                                                                // M = Q
       backend.copy_2d(m, full_bytes, buffers.poly_full, full_bytes, full_bytes, 1, stream);
@@ -341,11 +585,27 @@ const void* iterate_on_gram(Backend& backend, Communicator* comm, const NsProble
     }
     // X <- M X, at a restart or at the end.
     void* x_next = k + 1 == iterations && !staged ? data : buffers.x[next_x];
-    apply_polynomial(backend, dtype, padded, batch, m, x, x_next, stream);
+    apply_polynomial(backend, dtype, padded, batch, m, x, x_next, stream,
+                     k + 1 == iterations ? exchange : nullptr);
     x = x_next;
     next_x = 1 - next_x;
   }
   return x;
+}
+
+// buffers.sum_of_squares = the sum of squares of `count` values (per matrix of the batch),
+// summed over the group when there is one.
+void sum_of_squares_over_group(Backend& backend, Communicator* comm, shardmuon_dtype dtype,
+                               const void* data, int64_t count, const IterationBuffers& buffers,
+                               Stream stream) {
+  const shardmuon_dtype accumulate = accumulate_dtype(dtype);
+  if (count > 0) {
+    backend.sum_of_squares(data, dtype, count, buffers.batch, buffers.sum_of_squares,
+                           buffers.reduce_scratch, buffers.reduce_scratch_bytes, stream);
+  } else {
+    backend.fill_zero(buffers.sum_of_squares, element_size(accumulate) * buffers.batch, stream);
+  }
+  if (comm != nullptr) comm->all_reduce_sum(buffers.sum_of_squares, 1, accumulate, stream);
 }
 
 // Normalizes and iterates on a long-side block in place. With comm, the block is one of
@@ -355,16 +615,8 @@ void iterate_on_block(Backend& backend, Communicator* comm, const NsProblem& pro
                       const WideBlock& block, void* data, const IterationBuffers& buffers,
                       Stream stream) {
   const shardmuon_dtype dtype = problem.dtype;
-  const shardmuon_dtype accumulate = accumulate_dtype(dtype);
   const int64_t count = block.elements(), batch = buffers.batch;
-
-  if (count > 0) {
-    backend.sum_of_squares(data, dtype, count, batch, buffers.sum_of_squares,
-                           buffers.reduce_scratch, buffers.reduce_scratch_bytes, stream);
-  } else {
-    backend.fill_zero(buffers.sum_of_squares, element_size(accumulate) * batch, stream);
-  }
-  if (comm != nullptr) comm->all_reduce_sum(buffers.sum_of_squares, 1, accumulate, stream);
+  sum_of_squares_over_group(backend, comm, dtype, data, count, buffers, stream);
   // Unless the block is aligned already, X is staged in the padded block (zero outside
   // the data) and copied back after the last product.
   const WideBlock& padded = buffers.padded;
@@ -402,58 +654,14 @@ void iterate_on_block(Backend& backend, Communicator* comm, const NsProblem& pro
 
   // The iterates alternate between the two scratch buffers; unstaged, the last one lands
   // in `data`, so the caller's memory is written only by the final product.
-  const void* x = problem.plan.gram_iteration
-                      ? iterate_on_gram(backend, comm, problem, buffers, data, staged, stream)
-                      : iterate_on_x(backend, comm, problem, buffers, data, staged, stream);
+  const void* x =
+      problem.plan.gram_iteration
+          ? iterate_on_gram(backend, comm, problem, buffers, data, staged, nullptr, stream)
+          : iterate_on_x(backend, comm, problem, buffers, data, staged, nullptr, stream);
   if (staged && count > 0) {
     copy_batch(data, block.storage_cols(), x, padded.storage_cols(), count, padded.elements());
   }
 }
-
-// A sub-matrix of a row-major buffer.
-struct Block {
-  int64_t row0, col0, rows, cols;
-  int64_t elements() const { return rows * cols; }
-};
-
-// The geometry of (d) on one rank: the shards lie along the short side; each rank's
-// long-side block comes from a balanced split of the long side.
-struct Redistribution {
-  std::vector<Block>
-      to_target;  // my shard's part that becomes rank r's block (my shard's coordinates)
-  std::vector<Block> from_source;  // rank r's part of my block (my block's coordinates)
-  int64_t source_ld = 0, target_rows = 0, target_cols = 0;
-  int64_t staged_elements = 0;  // the larger of my shard and my block
-
-  static Redistribution of(const ShardLayout& layout, int rank, int ranks) {
-    const int source_dim = layout.sharded_dim();
-    const std::vector<int64_t>& source_sizes = layout.shard_sizes();
-    const std::vector<int64_t>& source_offsets = layout.shard_offsets();
-    const int64_t long_extent = source_dim == 0 ? layout.cols() : layout.rows();
-    const std::vector<int64_t> target_sizes = balanced_split(long_extent, ranks);
-    const std::vector<int64_t> target_offsets = prefix_offsets(target_sizes);
-
-    // A block given by its range along the source dim and along the target dim.
-    auto block_of = [source_dim](int64_t source_start, int64_t source_length, int64_t target_start,
-                                 int64_t target_length) {
-      return source_dim == 0 ? Block{source_start, target_start, source_length, target_length}
-                             : Block{target_start, source_start, target_length, source_length};
-    };
-    Redistribution r;
-    r.to_target.resize(ranks);
-    r.from_source.resize(ranks);
-    for (int peer = 0; peer < ranks; ++peer) {
-      r.to_target[peer] = block_of(0, source_sizes[rank], target_offsets[peer], target_sizes[peer]);
-      r.from_source[peer] =
-          block_of(source_offsets[peer], source_sizes[peer], 0, target_sizes[rank]);
-    }
-    r.source_ld = source_dim == 0 ? layout.cols() : source_sizes[rank];
-    r.target_rows = source_dim == 0 ? layout.rows() : target_sizes[rank];
-    r.target_cols = source_dim == 0 ? target_sizes[rank] : layout.cols();
-    r.staged_elements = std::max(layout.local_elements(rank), r.target_rows * r.target_cols);
-    return r;
-  }
-};
 
 // Where a plan's scratch lies in the workspace. Laid out once before the ranks agree to go
 // ahead, to grow the workspace (so that a failed allocation is reported to every rank rather
@@ -463,12 +671,13 @@ struct Scratch {
   WideBlock block;  // what the iteration runs on
   IterationSlots iteration;
   size_t gathered = 0, matrix = 0, gather_block_bytes = 0;  // (a)
-  size_t target = 0, stage_send = 0, stage_recv = 0;        // (d)
+  size_t normalized = 0, stage_send = 0, stage_recv = 0;    // (d)
 
   static Scratch lay_out(const Backend& backend, const NsProblem& problem, int rank, int ranks) {
     const ShardLayout& layout = problem.layout;
     const size_t element = element_size(problem.dtype);
     Scratch scratch;
+    int64_t norm_elements = 0;  // what the norm is taken over: the block, unless (d)
     switch (problem.plan.algorithm) {
       case NsPlan::Algorithm::kLocal:
         scratch.block = WideBlock::of(layout, layout.rows(), layout.cols());
@@ -488,16 +697,21 @@ struct Scratch {
           scratch.block = WideBlock::of(layout, layout.local_rows(rank), layout.local_cols(rank));
         } else {
           const Redistribution r = Redistribution::of(layout, rank, ranks);
-          scratch.target = scratch.carver.reserve(r.target_rows * r.target_cols * element);
-          scratch.stage_send = scratch.carver.reserve(r.staged_elements * element);
-          scratch.stage_recv = scratch.carver.reserve(r.staged_elements * element);
+          norm_elements = layout.local_elements(rank);
+          scratch.normalized = scratch.carver.reserve(norm_elements * element);
+          scratch.stage_send = scratch.carver.reserve(r.staged_elements() * element);
+          scratch.stage_recv = scratch.carver.reserve(r.staged_elements() * element);
           scratch.block = WideBlock::of(layout, r.target_rows, r.target_cols);
         }
         break;
     }
+    if (!(problem.plan.algorithm == NsPlan::Algorithm::kGramAllReduce &&
+          problem.plan.redistributes)) {
+      norm_elements = scratch.block.elements();
+    }
     scratch.iteration =
         IterationSlots::reserve(scratch.carver, backend, problem.dtype, scratch.block,
-                                problem.plan.gram_iteration, problem.batch);
+                                problem.plan.gram_iteration, problem.batch, norm_elements);
     return scratch;
   }
 
@@ -551,57 +765,35 @@ void run_duplicated(Backend& backend, Communicator& comm, const NsProblem& probl
   }
 }
 
-// Every rank sends send_blocks[r] of its buffer `src` to rank r and receives recv_blocks[r]
-// of `dst` from rank r. Blocks are packed into contiguous staging buffers around one
-// all-to-all.
-void exchange_blocks(Backend& backend, Communicator& comm, size_t element, const void* src,
-                     int64_t src_ld, const std::vector<Block>& send_blocks, void* dst,
-                     int64_t dst_ld, const std::vector<Block>& recv_blocks, char* stage_send,
-                     char* stage_recv, Stream stream) {
-  const int ranks = comm.size();
-  std::vector<size_t> send_bytes(ranks), send_offsets(ranks), recv_bytes(ranks),
-      recv_offsets(ranks);
-  size_t send_total = 0, recv_total = 0;
-  for (int r = 0; r < ranks; ++r) {
-    const Block& out = send_blocks[r];
-    send_bytes[r] = out.elements() * element;
-    send_offsets[r] = send_total;
-    if (send_bytes[r] > 0) {
-      backend.copy_2d(stage_send + send_total, out.cols * element,
-                      byte_offset(src, (out.row0 * src_ld + out.col0) * element), src_ld * element,
-                      out.cols * element, out.rows, stream);
-    }
-    send_total += send_bytes[r];
-    recv_bytes[r] = recv_blocks[r].elements() * element;
-    recv_offsets[r] = recv_total;
-    recv_total += recv_bytes[r];
-  }
-  comm.all_to_all(stage_send, send_bytes, send_offsets, stage_recv, recv_bytes, recv_offsets,
-                  stream);
-  for (int r = 0; r < ranks; ++r) {
-    const Block& in = recv_blocks[r];
-    if (recv_bytes[r] == 0) continue;
-    backend.copy_2d(byte_offset(dst, (in.row0 * dst_ld + in.col0) * element), dst_ld * element,
-                    stage_recv + recv_offsets[r], in.cols * element, in.cols * element, in.rows,
-                    stream);
-  }
-}
-
-// (d): the shards lie along the short side. Move them to a balanced split along the long
-// side, run (b) there, and move the result back.
+// (d): the shards lie along the short side. Normalize them where they lie (the norm of the
+// matrix is the sum of its shards' squares), move them to a balanced split along the long
+// side while the first Gram is computed, run (b) there, and move the result back while the
+// last product is computed (PiecewiseExchange).
 void run_redistributed(Backend& backend, Communicator& comm, const NsProblem& problem,
                        const Scratch& scratch, void* local_shard, Stream stream) {
   const Redistribution r = Redistribution::of(problem.layout, comm.rank(), comm.size());
-  const size_t element = element_size(problem.dtype);
-  char* target = scratch.at(scratch.target);
-  char* stage_send = scratch.at(scratch.stage_send);
-  char* stage_recv = scratch.at(scratch.stage_recv);
-  exchange_blocks(backend, comm, element, local_shard, r.source_ld, r.to_target, target,
-                  r.target_cols, r.from_source, stage_send, stage_recv, stream);
-  iterate_on_block(backend, &comm, problem, scratch.block, target,
-                   scratch.iteration.resolve(scratch.carver), stream);
-  exchange_blocks(backend, comm, element, target, r.target_cols, r.from_source, local_shard,
-                  r.source_ld, r.to_target, stage_send, stage_recv, stream);
+  const shardmuon_dtype dtype = problem.dtype;
+  const size_t element = element_size(dtype);
+  const IterationBuffers buffers = scratch.iteration.resolve(scratch.carver);
+  const int64_t count = problem.layout.local_elements(comm.rank());
+  char* normalized = scratch.at(scratch.normalized);
+  sum_of_squares_over_group(backend, &comm, dtype, local_shard, count, buffers, stream);
+  if (count > 0) {
+    backend.divide_by_norm(local_shard, normalized, dtype, count, 1, buffers.sum_of_squares,
+                           problem.eps, stream);
+  }
+  const WideBlock& padded = buffers.padded;
+  if (!(padded == scratch.block)) {  // the padding stays zero; the pieces land around it
+    backend.fill_zero(buffers.x[0], padded.elements() * element, stream);
+  }
+  PiecewiseExchange exchange(backend, comm, r, element, normalized, buffers.x[0],
+                             padded.storage_cols(), local_shard, scratch.at(scratch.stage_send),
+                             scratch.at(scratch.stage_recv), stream);
+  if (problem.plan.gram_iteration) {
+    iterate_on_gram(backend, &comm, problem, buffers, nullptr, true, &exchange, stream);
+  } else {
+    iterate_on_x(backend, &comm, problem, buffers, nullptr, true, &exchange, stream);
+  }
 }
 
 }  // namespace

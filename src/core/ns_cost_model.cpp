@@ -127,10 +127,11 @@ double estimate_gram_all_reduce_seconds(const NsCostInputs& inputs, const Machin
   const double exposed = std::max(all_reduce - iteration.gram_seconds, last_block);
   double seconds = machine.seconds_per_collective +  // the norm
                    inputs.iterations * (iteration.gram_seconds + iteration.other_seconds + exposed);
-  if (redistributes) {
+  if (redistributes) {  // two exchanges, a piece of each in the open
     const double moved = static_cast<double>(s) * static_cast<double>(length) *
                          machine.element_bytes * (inputs.ranks - 1) / inputs.ranks;
-    seconds += 2 * (machine.seconds_per_collective + moved / machine.all_to_all_bytes_per_second);
+    seconds += 2 * (machine.seconds_per_collective +
+                    moved / kExchangePieces / machine.all_to_all_bytes_per_second);
   }
   return seconds;
 }

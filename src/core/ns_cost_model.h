@@ -24,6 +24,11 @@ struct MachineModel {
   int element_bytes = 2;  // bf16 storage
 };
 
+// (d) moves the shards to the long side and back in this many pieces of the long side, each
+// overlapping products (newton_schulz.cpp, PiecewiseExchange): only the first piece in and the
+// last piece out are not hidden.
+constexpr int kExchangePieces = 4;
+
 struct NsCostInputs {
   ShardLayout layout;
   int ranks = 1;
