@@ -6,6 +6,7 @@
 
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -355,6 +356,16 @@ TEST_F(MuonStepBatches, CapturedStepReplaysLikeUncapturedSteps) {
   auto cuda_ok = [](cudaError_t code, const char* what) {
     ASSERT_EQ(code, cudaSuccess) << what << ": " << cudaGetErrorString(code);
   };
+  // A context of its own: a capture pins the context's workspace for good, and the shared
+  // context must still grow for the tests after this one (the 2085 x 2301 products).
+  int device = 0;
+  cuda_ok(cudaGetDevice(&device), "cudaGetDevice");
+  shardmuon_context_t raw_context = nullptr;
+  ASSERT_EQ(shardmuon_context_create(SHARDMUON_BACKEND_CUDA, device, &raw_context),
+            SHARDMUON_SUCCESS)
+      << shardmuon_last_error();
+  const std::unique_ptr<shardmuon_context_s, decltype(&shardmuon_context_destroy)> context(
+      raw_context, shardmuon_context_destroy);
   for (const shardmuon_ns_algorithm algorithm : {SHARDMUON_NS_AUTO, SHARDMUON_NS_GRAM_ALLREDUCE}) {
     for (int p = 1; p <= harness.max_group_size(); ++p) {
       const Group& group = harness.group(p);
@@ -374,7 +385,7 @@ TEST_F(MuonStepBatches, CapturedStepReplaysLikeUncapturedSteps) {
       g.ns.algorithm = algorithm;
       std::vector<shardmuon_muon_param> api = upload_parameters(params, group);
       auto step = [&](const shardmuon_muon_group& groups) {
-        return shardmuon_muon_step(harness.context(), group.comm, api.data(),
+        return shardmuon_muon_step(context.get(), group.comm, api.data(),
                                    static_cast<int>(api.size()), &groups, 1, stream);
       };
       auto new_gradients = [&](int s) {  // into the same buffers the graph reads
