@@ -1,6 +1,8 @@
 #include "comm/communicator.h"
 
+#include <algorithm>
 #include <cstdlib>
+#include <thread>
 
 #include "core/error.h"
 
@@ -17,6 +19,22 @@ double timeout_from_environment() {
   return end != text && seconds >= 0 ? seconds : kDefaultTimeoutSeconds;
 }
 }  // namespace
+
+PollPacer::PollPacer() : start_(std::chrono::steady_clock::now()) {}
+
+double PollPacer::waited_seconds() const {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+}
+
+void PollPacer::pause() {
+  constexpr double kSpinSeconds = 200e-6;
+  if (waited_seconds() < kSpinSeconds) {
+    std::this_thread::yield();
+    return;
+  }
+  std::this_thread::sleep_for(sleep_);
+  sleep_ = std::min(sleep_ * 2, std::chrono::microseconds(1000));
+}
 
 Communicator::Communicator() : timeout_seconds_(timeout_from_environment()) {}
 

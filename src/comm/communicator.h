@@ -3,6 +3,7 @@
 // serves; collective calls are enqueued on the stream (NCCL) or complete before returning.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -11,6 +12,21 @@
 #include "core/backend.h"
 
 namespace shardmuon {
+
+// Paces a host-side wait for the argument exchange: yields the thread in a tight loop for the
+// first 200 us (ranks that arrive together finish the exchange within tens of microseconds,
+// and a sleep, however short, costs about 60 us of timer slack), then sleeps with a pause
+// that doubles up to 1 ms, so that waiting for a late rank costs little CPU.
+class PollPacer {
+ public:
+  PollPacer();
+  double waited_seconds() const;
+  void pause();
+
+ private:
+  std::chrono::steady_clock::time_point start_;
+  std::chrono::microseconds sleep_{20};
+};
 
 class Communicator {
  public:

@@ -3,11 +3,9 @@
 #include <mpi.h>
 
 #include <algorithm>
-#include <chrono>
 #include <climits>
 #include <memory>
 #include <string>
-#include <thread>
 
 #include "comm/factories.h"
 #include "core/error.h"
@@ -113,19 +111,16 @@ class MpiCommunicator final : public Communicator {
     check_mpi(
         MPI_Iallreduce(MPI_IN_PLACE, exchange_.get(), count, MPI_INT64_T, MPI_MAX, comm_, &request),
         "MPI_Iallreduce (argument check)");
-    const auto start = std::chrono::steady_clock::now();
-    auto pause = std::chrono::microseconds(2);
+    PollPacer pacer;
     for (int done = 0;;) {
       check_mpi(MPI_Test(&request, &done, MPI_STATUS_IGNORE), "MPI_Test (argument check)");
       if (done) break;
-      const double waited =
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      const double waited = pacer.waited_seconds();
       if (timeout_seconds() > 0 && waited > timeout_seconds()) {
         pending_ = request;
         fail_timeout("MPI", waited);
       }
-      std::this_thread::sleep_for(pause);
-      pause = std::min(pause * 2, std::chrono::microseconds(1000));
+      pacer.pause();
     }
     std::copy(exchange_.get(), exchange_.get() + count, values);
   }

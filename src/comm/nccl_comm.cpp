@@ -129,8 +129,7 @@ class NcclCommunicator final : public Communicator {
         ncclAllReduce(device, device, count, ncclInt64, ncclMax, check_comm_.get(), stream));
     SHARDMUON_CUDA(cudaMemcpyAsync(host, device, bytes, cudaMemcpyDeviceToHost, stream));
     // Poll rather than block, so that a rank that never joins ends in a timeout, not a hang.
-    const auto start = std::chrono::steady_clock::now();
-    auto pause = std::chrono::microseconds(2);
+    PollPacer pacer;
     for (;;) {
       const cudaError_t state = cudaStreamQuery(stream);
       if (state == cudaSuccess) break;
@@ -138,8 +137,7 @@ class NcclCommunicator final : public Communicator {
       ncclResult_t async = ncclSuccess;
       SHARDMUON_NCCL(ncclCommGetAsyncError(check_comm_.get(), &async));
       check_nccl(async, "the argument check's all-reduce");
-      const double waited =
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      const double waited = pacer.waited_seconds();
       if (timeout_seconds() > 0 && waited > timeout_seconds()) {
         // Give up without calling anything that could block: the private all-reduce stays
         // pending (a late rank's exchange can still complete it) and the destructor releases
@@ -147,8 +145,7 @@ class NcclCommunicator final : public Communicator {
         timed_out_ = true;
         fail_timeout("NCCL", waited);
       }
-      std::this_thread::sleep_for(pause);
-      pause = std::min(pause * 2, std::chrono::microseconds(1000));
+      pacer.pause();
     }
     std::copy(host, host + count, values);
   }
