@@ -380,7 +380,7 @@ void gram_product(Backend& backend, Communicator* comm, shardmuon_dtype dtype,
         call.stride_a = call.stride_b = block.elements();
         call.stride_c = call.stride_d = tiles.packed_elements();
         // Beside block j-1's all-reduce, or the next piece's arrival.
-        call.overlaps_communication = comm != nullptr && (last_piece ? j > 0 : true);
+        call.overlaps_communication = comm != nullptr && (!last_piece || j > 0);
         if (block.long_side_is_cols) {  // operand is X^T (length x s): (X^T)^T X^T
           call.a = call.b = byte_offset(x, (tiles.start(j) * block.length + range.first) * element);
           call.transpose_a = true;
@@ -677,7 +677,6 @@ struct Scratch {
     const ShardLayout& layout = problem.layout;
     const size_t element = element_size(problem.dtype);
     Scratch scratch;
-    int64_t norm_elements = 0;  // what the norm is taken over: the block, unless (d)
     switch (problem.plan.algorithm) {
       case NsPlan::Algorithm::kLocal:
         scratch.block = WideBlock::of(layout, layout.rows(), layout.cols());
@@ -697,18 +696,18 @@ struct Scratch {
           scratch.block = WideBlock::of(layout, layout.local_rows(rank), layout.local_cols(rank));
         } else {
           const Redistribution r = Redistribution::of(layout, rank, ranks);
-          norm_elements = layout.local_elements(rank);
-          scratch.normalized = scratch.carver.reserve(norm_elements * element);
-          scratch.stage_send = scratch.carver.reserve(r.staged_elements() * element);
-          scratch.stage_recv = scratch.carver.reserve(r.staged_elements() * element);
+          scratch.normalized = scratch.carver.reserve(layout.local_elements(rank) * element);
+          const int64_t staged = r.staged_elements();
+          scratch.stage_send = scratch.carver.reserve(staged * element);
+          scratch.stage_recv = scratch.carver.reserve(staged * element);
           scratch.block = WideBlock::of(layout, r.target_rows, r.target_cols);
         }
         break;
     }
-    if (!(problem.plan.algorithm == NsPlan::Algorithm::kGramAllReduce &&
-          problem.plan.redistributes)) {
-      norm_elements = scratch.block.elements();
-    }
+    // The norm is taken where X lies when it starts: (d) takes it on the shard, before it moves.
+    const bool moves =
+        problem.plan.algorithm == NsPlan::Algorithm::kGramAllReduce && problem.plan.redistributes;
+    const int64_t norm_elements = moves ? layout.local_elements(rank) : scratch.block.elements();
     scratch.iteration =
         IterationSlots::reserve(scratch.carver, backend, problem.dtype, scratch.block,
                                 problem.plan.gram_iteration, problem.batch, norm_elements);
