@@ -52,6 +52,17 @@ struct GemmCall {
   // same-shaped products anywhere in memory in one launch (the tiles of a symmetric product).
   const GemmOperands* products = nullptr;
   int64_t product_count = 0;
+  // Product p of the list as a call of its own.
+  GemmCall product(int64_t p) const {
+    GemmCall one = *this;
+    one.products = nullptr;
+    one.product_count = 0;
+    one.a = products[p].a;
+    one.b = products[p].b;
+    one.c = products[p].c;
+    one.d = products[p].d;
+    return one;
+  }
   // The product runs while a collective on another stream needs SMs: a backend may leave
   // some free for it (the CUDA backend's GEMMs can otherwise hold every SM until they end).
   bool overlaps_communication = false;

@@ -381,11 +381,12 @@ void tile_products(Backend& backend, const SymmetricTiles& tiles, int first, int
 }
 
 // A = X X^T over this block's columns of X (the partial Gram of a long-side block), lower
-// tiles only, then unpacked for the next product. With comm, each block column is summed
-// over the group as soon as its tiles are computed, on the backend's side stream, so that
-// the reduction of one block column overlaps the products of the next; without, every
-// tile is one launch. With arrivals, X arrives piece by piece of the long side and each
-// piece's products (summed into the tiles) run while the next piece travels.
+// tiles only, then unpacked for the next product. With comm, the block columns are summed
+// over the group kGramColumnsPerLaunch at a time, each group as soon as its tiles are
+// computed, on the backend's side stream, so that one group's reduction overlaps the
+// products of the next; without, every tile is in one launch. With arrivals, X arrives piece
+// by piece of the long side and each piece's products (summed into the tiles) run while the
+// next piece travels.
 void gram_product(Backend& backend, Communicator* comm, shardmuon_dtype dtype,
                   const WideBlock& block, const void* x, const IterationBuffers& buffers,
                   Stream stream, PiecewiseExchange* arrivals = nullptr) {
@@ -420,7 +421,7 @@ void gram_product(Backend& backend, Communicator* comm, shardmuon_dtype dtype,
         call.batch = buffers.batch;
         call.stride_a = call.stride_b = block.elements();
         call.stride_c = call.stride_d = tiles.packed_elements();
-        // Beside block column first-1's all-reduce, or the next piece's arrival.
+        // Beside the previous group's all-reduce, or the next piece's arrival.
         call.overlaps_communication = comm != nullptr && (!last_piece || first > 0);
         int64_t row_step = 0;  // elements between rows of X in the operand
         int64_t range_offset = 0;

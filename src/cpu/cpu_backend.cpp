@@ -109,16 +109,7 @@ class CpuBackend final : public Backend {
   // A list or a strided batch runs as its products one after another.
   void gemm(const GemmCall& call, Stream stream) override {
     if (call.product_count > 0) {
-      for (int64_t p = 0; p < call.product_count; ++p) {
-        GemmCall one = call;
-        one.products = nullptr;
-        one.product_count = 0;
-        one.a = call.products[p].a;
-        one.b = call.products[p].b;
-        one.c = call.products[p].c;
-        one.d = call.products[p].d;
-        gemm(one, stream);
-      }
+      for (int64_t p = 0; p < call.product_count; ++p) gemm(call.product(p), stream);
       return;
     }
     if (call.batch == 1) {

@@ -191,16 +191,7 @@ void CublasLtGemm::run_plan(const Plan& plan, const GemmCall& call, const void* 
 void CublasLtGemm::run_list(const GemmCall& call, cudaStream_t stream) {
   const size_t ab = element_size(call.ab_type), cd = element_size(call.cd_type);
   if (call.batch > kPointerCapacity) {  // too many matrices for the arrays: product by product
-    for (int64_t p = 0; p < call.product_count; ++p) {
-      GemmCall one = call;
-      one.products = nullptr;
-      one.product_count = 0;
-      one.a = call.products[p].a;
-      one.b = call.products[p].b;
-      one.c = call.products[p].c;
-      one.d = call.products[p].d;
-      run(one, stream);
-    }
+    for (int64_t p = 0; p < call.product_count; ++p) run(call.product(p), stream);
     return;
   }
   const int64_t per_launch =
@@ -209,16 +200,16 @@ void CublasLtGemm::run_list(const GemmCall& call, cudaStream_t stream) {
   for (int i = 0; i < 4; ++i) {
     arrays[i] = static_cast<void**>(pointer_arrays_.get()) + i * kPointerCapacity;
   }
+  // beta == 0 must not read C: its pointers are D's.
+  const int64_t stride_c = call.beta == 0.0 ? call.stride_d : call.stride_c;
+  const int64_t strides[4] = {
+      call.stride_a * static_cast<int64_t>(ab), call.stride_b * static_cast<int64_t>(ab),
+      stride_c * static_cast<int64_t>(cd), call.stride_d * static_cast<int64_t>(cd)};
   for (int64_t first = 0; first < call.product_count; first += per_launch) {
     const int64_t count = std::min(per_launch, call.product_count - first);
     PointerArraySource source{};
     source.products = static_cast<int>(count);
     source.batch = call.batch;
-    // beta == 0 must not read C: its pointers are D's.
-    const int64_t stride_c = call.beta == 0.0 ? call.stride_d : call.stride_c;
-    const int64_t strides[4] = {
-        call.stride_a * static_cast<int64_t>(ab), call.stride_b * static_cast<int64_t>(ab),
-        stride_c * static_cast<int64_t>(cd), call.stride_d * static_cast<int64_t>(cd)};
     int64_t alignment[4] = {256, 256, 256, 256};
     for (int64_t p = 0; p < count; ++p) {
       const GemmOperands& product = call.products[first + p];
