@@ -23,6 +23,14 @@ using Stream = void*;
 // beta == 0 means C is not read. D must not alias A or B; it may alias C. With batch > 1, the
 // call is `batch` such products, matrix i of each operand at i * stride elements from its
 // pointer (a strided batch: many small matrices in one launch).
+// Where one product of a GemmCall's list lies (see GemmCall::products).
+struct GemmOperands {
+  const void* a = nullptr;
+  const void* b = nullptr;
+  const void* c = nullptr;
+  void* d = nullptr;
+};
+
 struct GemmCall {
   bool transpose_a = false, transpose_b = false;
   int64_t m = 0, n = 0, k = 0;
@@ -39,6 +47,22 @@ struct GemmCall {
   shardmuon_dtype cd_type = SHARDMUON_FLOAT32;
   int64_t batch = 1;
   int64_t stride_a = 0, stride_b = 0, stride_c = 0, stride_d = 0;
+  // With a list, the call is one product per entry, all of this shape, each at its own
+  // operands (a, b, c and d above are not used), each a strided batch as above: many
+  // same-shaped products anywhere in memory in one launch (the tiles of a symmetric product).
+  const GemmOperands* products = nullptr;
+  int64_t product_count = 0;
+  // Product p of the list as a call of its own.
+  GemmCall product(int64_t p) const {
+    GemmCall one = *this;
+    one.products = nullptr;
+    one.product_count = 0;
+    one.a = products[p].a;
+    one.b = products[p].b;
+    one.c = products[p].c;
+    one.d = products[p].d;
+    return one;
+  }
   // The product runs while a collective on another stream needs SMs: a backend may leave
   // some free for it (the CUDA backend's GEMMs can otherwise hold every SM until they end).
   bool overlaps_communication = false;

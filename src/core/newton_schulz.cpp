@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <utility>
+#include <vector>
 
 #include "core/dtype.h"
 #include "core/error.h"
@@ -339,12 +340,53 @@ class PiecewiseExchange {
   Stream side_;
 };
 
+// The products of the tiles (i, j), i >= j, of block columns [first, last) of `tiles`: one
+// launch per tile shape (all tiles share one but those of the last block). `call` holds what
+// every tile's product shares; operands(i, j) gives tile (i, j)'s; each writes its packed
+// tile, whose leading dimension is its row count.
+template <typename Operands>
+void tile_products(Backend& backend, const SymmetricTiles& tiles, int first, int last,
+                   GemmCall call, Operands&& operands, Stream stream) {
+  struct Shape {
+    int64_t m, n;
+    std::vector<GemmOperands> products;
+  };
+  std::vector<Shape> shapes;
+  for (int j = first; j < last; ++j) {
+    for (int i = j; i < tiles.blocks(); ++i) {
+      const int64_t m = tiles.width(i), n = tiles.width(j);
+      auto shape = std::find_if(shapes.begin(), shapes.end(),
+                                [&](const Shape& x) { return x.m == m && x.n == n; });
+      if (shape == shapes.end()) shape = shapes.insert(shapes.end(), Shape{m, n, {}});
+      shape->products.push_back(operands(i, j));
+    }
+  }
+  for (const Shape& shape : shapes) {
+    call.m = shape.m;
+    call.n = shape.n;
+    call.ldc = call.ldd = shape.m;
+    if (shape.products.size() == 1) {
+      call.a = shape.products[0].a;
+      call.b = shape.products[0].b;
+      call.c = shape.products[0].c;
+      call.d = shape.products[0].d;
+    } else {
+      call.products = shape.products.data();
+      call.product_count = static_cast<int64_t>(shape.products.size());
+    }
+    backend.gemm(call, stream);
+    call.products = nullptr;
+    call.product_count = 0;
+  }
+}
+
 // A = X X^T over this block's columns of X (the partial Gram of a long-side block), lower
-// block columns only, then unpacked for the next product. With comm, each block column is
-// summed over the group as soon as it is computed, on the backend's side stream, so that
-// the reduction of one block column overlaps the product of the next. With arrivals, X
-// arrives piece by piece of the long side and each piece's products (summed into the
-// block columns) run while the next piece travels.
+// tiles only, then unpacked for the next product. With comm, the block columns are summed
+// over the group kGramColumnsPerLaunch at a time, each group as soon as its tiles are
+// computed, on the backend's side stream, so that one group's reduction overlaps the
+// products of the next; without, every tile is in one launch. With arrivals, X arrives piece
+// by piece of the long side and each piece's products (summed into the tiles) run while the
+// next piece travels.
 void gram_product(Backend& backend, Communicator* comm, shardmuon_dtype dtype,
                   const WideBlock& block, const void* x, const IterationBuffers& buffers,
                   Stream stream, PiecewiseExchange* arrivals = nullptr) {
@@ -353,7 +395,12 @@ void gram_product(Backend& backend, Communicator* comm, shardmuon_dtype dtype,
   const SymmetricTiles& tiles = buffers.tiles;
   const Stream side = comm != nullptr ? backend.side_stream(stream) : stream;
   const int pieces = arrivals != nullptr ? arrivals->pieces() : 1;
-  bool written = false;  // whether a product has written the block columns yet
+  // Block columns per launch: all at once without comm; with it, four at a time, each group
+  // reduced as soon as it is done (measured on 2 H200s against one and two per launch: the
+  // launches of 512-wide columns one by one cost more than the overlap gained, 8192 x 28672
+  // over 2 GPUs 32.1 / 30.7 / 30.3 ms with one / two / four, docs/BENCHMARKS.md).
+  const int columns_per_launch = comm != nullptr ? kGramColumnsPerLaunch : tiles.blocks();
+  bool written = false;  // whether a product has written the tiles yet
   for (int piece = 0; piece < pieces; ++piece) {
     const auto range =
         arrivals != nullptr ? arrivals->range(piece) : std::pair<int64_t, int64_t>(0, block.length);
@@ -362,39 +409,51 @@ void gram_product(Backend& backend, Communicator* comm, shardmuon_dtype dtype,
     if (last_piece && !written && empty) {  // an empty block contributes nothing to the sum
       backend.fill_zero(buffers.gram_packed, tiles.packed_elements() * accumulate_element, stream);
     }
-    for (int j = 0; j < tiles.blocks(); ++j) {
-      char* column = static_cast<char*>(buffers.gram_packed) + tiles.offset(j) * accumulate_element;
+    for (int first = 0; first < tiles.blocks(); first += columns_per_launch) {
+      const int last = std::min(tiles.blocks(), first + columns_per_launch);
       if (!empty) {
-        // Rows start..s-1 of A's columns start..start+width-1: X[start:, range]
-        // X[start:start+width, range]^T.
+        // Tile (i, j) = X[rows of block i, range] X[rows of block j, range]^T.
         GemmCall call;
-        call.m = tiles.rows(j);
-        call.n = tiles.width(j);
         call.k = range.second - range.first;
         call.beta = written ? 1.0 : 0.0;
         call.ab_type = dtype;
         call.cd_type = accumulate;
-        call.c = call.d = column;
-        call.ldc = call.ldd = tiles.rows(j);
         call.batch = buffers.batch;
         call.stride_a = call.stride_b = block.elements();
         call.stride_c = call.stride_d = tiles.packed_elements();
-        // Beside block j-1's all-reduce, or the next piece's arrival.
-        call.overlaps_communication = comm != nullptr && (!last_piece || j > 0);
+        // Beside the previous group's all-reduce, or the next piece's arrival.
+        call.overlaps_communication = comm != nullptr && (!last_piece || first > 0);
+        int64_t row_step = 0;  // elements between rows of X in the operand
+        int64_t range_offset = 0;
         if (block.long_side_is_cols) {  // operand is X^T (length x s): (X^T)^T X^T
-          call.a = call.b = byte_offset(x, (tiles.start(j) * block.length + range.first) * element);
           call.transpose_a = true;
           call.lda = call.ldb = block.length;
+          row_step = block.length;
+          range_offset = range.first;
         } else {  // operand is X (s x length): X X^T
-          call.a = call.b = byte_offset(x, (range.first * block.s + tiles.start(j)) * element);
           call.transpose_b = true;
           call.lda = call.ldb = block.s;
+          row_step = 1;
+          range_offset = range.first * block.s;
         }
-        backend.gemm(call, stream);
+        void* packed = buffers.gram_packed;
+        tile_products(
+            backend, tiles, first, last, call,
+            [&](int i, int j) {
+              GemmOperands tile;
+              tile.a = byte_offset(x, (tiles.start(i) * row_step + range_offset) * element);
+              tile.b = byte_offset(x, (tiles.start(j) * row_step + range_offset) * element);
+              tile.d = byte_offset(packed, tiles.tile_offset(i, j) * accumulate_element);
+              tile.c = tile.d;
+              return tile;
+            },
+            stream);
       }
       if (comm != nullptr && last_piece) {
         backend.order_after(side, stream);
-        comm->all_reduce_sum(column, tiles.elements(j), accumulate, side);
+        char* column =
+            static_cast<char*>(buffers.gram_packed) + tiles.offset(first) * accumulate_element;
+        comm->all_reduce_sum(column, tiles.offset(last) - tiles.offset(first), accumulate, side);
       }
     }
     written = written || !empty;
@@ -404,7 +463,7 @@ void gram_product(Backend& backend, Communicator* comm, shardmuon_dtype dtype,
                            dtype, 0.0, stream);
 }
 
-// d = alpha A B + beta c on the lower block columns (packed, accumulate dtype), for full s x s
+// d = alpha A B + beta c on the lower tiles (packed, accumulate dtype), for full s x s
 // operands A and B (storage dtype) whose product is symmetric: A A, or products of
 // polynomials in the same Gram matrix, which commute. Over a batch, matrix i of each is i full
 // (or packed) matrices on.
@@ -414,29 +473,28 @@ void symmetric_product(Backend& backend, shardmuon_dtype dtype, const SymmetricT
   const shardmuon_dtype accumulate = accumulate_dtype(dtype);
   const size_t element = element_size(dtype), accumulate_element = element_size(accumulate);
   const int64_t s = tiles.n;
-  for (int j = 0; j < tiles.blocks(); ++j) {
-    // A[start:, :] B[:, start:start+width]
-    const int64_t packed_offset = tiles.offset(j) * accumulate_element;
-    GemmCall call;
-    call.m = tiles.rows(j);
-    call.n = tiles.width(j);
-    call.k = s;
-    call.alpha = alpha;
-    call.beta = beta;
-    call.a = byte_offset(a, tiles.start(j) * element);
-    call.lda = s;
-    call.b = byte_offset(b, tiles.start(j) * s * element);
-    call.ldb = s;
-    call.ab_type = dtype;
-    call.c = beta != 0.0 ? byte_offset(c, packed_offset) : nullptr;
-    call.d = byte_offset(d, packed_offset);
-    call.ldc = call.ldd = tiles.rows(j);
-    call.cd_type = accumulate;
-    call.batch = batch;
-    call.stride_a = call.stride_b = s * s;
-    call.stride_c = call.stride_d = tiles.packed_elements();
-    backend.gemm(call, stream);
-  }
+  GemmCall call;
+  call.k = s;
+  call.alpha = alpha;
+  call.beta = beta;
+  call.lda = call.ldb = s;
+  call.ab_type = dtype;
+  call.cd_type = accumulate;
+  call.batch = batch;
+  call.stride_a = call.stride_b = s * s;
+  call.stride_c = call.stride_d = tiles.packed_elements();
+  tile_products(
+      backend, tiles, 0, tiles.blocks(), call,
+      [&](int i, int j) {  // A[rows of block i, :] B[:, columns of block j]
+        GemmOperands tile;
+        const int64_t packed_offset = tiles.tile_offset(i, j) * accumulate_element;
+        tile.a = byte_offset(a, tiles.start(i) * element);
+        tile.b = byte_offset(b, tiles.start(j) * s * element);
+        tile.c = beta != 0.0 ? byte_offset(c, packed_offset) : nullptr;
+        tile.d = byte_offset(d, packed_offset);
+        return tile;
+      },
+      stream);
 }
 
 // P = a I + b A + c A A, lower block columns of c A A + b A in the accumulate dtype, then

@@ -8,10 +8,10 @@ namespace shardmuon {
 namespace {
 
 // The products of an iteration on an s x length block (both sides padded), each with its
-// fixed cost; the symmetric ones computed as lower block columns.
+// fixed cost; the symmetric ones computed as lower tiles.
 struct ProductCosts {
-  int blocks = 1;
-  double packed_elements = 0, last_block_elements = 0;
+  int groups = 1;
+  double packed_elements = 0, last_group_elements = 0;
   double gram = 0;    // X X^T
   double square = 0;  // an s x s x s product whose result is symmetric (A A, Q M, ...)
   double apply = 0;   // P X
@@ -23,14 +23,19 @@ ProductCosts product_costs(int64_t s, int64_t length, const MachineModel& machin
   length = padded_extent(length);
   const SymmetricTiles tiles = SymmetricTiles::split(s, machine.symmetric_block_target);
   ProductCosts cost;
-  cost.blocks = tiles.blocks();
+  // The Gram runs (and is all-reduced) in groups of block columns; the last group's
+  // reduction is the one left in the open.
+  const int groups = (tiles.blocks() + kGramColumnsPerLaunch - 1) / kGramColumnsPerLaunch;
+  cost.groups = groups;
   cost.packed_elements = static_cast<double>(tiles.packed_elements());
-  cost.last_block_elements = static_cast<double>(tiles.elements(tiles.blocks() - 1));
+  cost.last_group_elements = static_cast<double>(
+      tiles.packed_elements() - tiles.offset((groups - 1) * kGramColumnsPerLaunch));
   const double rate = machine.gemm_flops_per_second;
   const double gemms = machine.seconds_per_gemm;
   const double sd = static_cast<double>(s), ld = static_cast<double>(length);
-  cost.gram = 2 * cost.packed_elements * ld / rate + cost.blocks * gemms;
-  cost.square = 2 * cost.packed_elements * sd / rate + cost.blocks * gemms;
+  // A product's tiles run as one launch, or one per group of block columns.
+  cost.gram = 2 * cost.packed_elements * ld / rate + groups * gemms;
+  cost.square = 2 * cost.packed_elements * sd / rate + gemms;
   cost.apply = 2 * sd * sd * ld / rate + gemms;
   cost.unpack = (4 * cost.packed_elements + machine.element_bytes * sd * sd) /
                 machine.memory_bytes_per_second;
@@ -41,18 +46,18 @@ struct IterationCost {
   double gram_seconds = 0;  // the products a Gram all-reduce can hide behind
   double other_seconds = 0;
   double packed_elements = 0;
-  double last_block_elements = 0;
-  int blocks = 1;
+  double last_group_elements = 0;
+  int groups = 1;
 };
 
-// One iteration on an s x length block: A = X X^T (lower block columns), P = a I + b A +
-// c A A (lower block columns), X <- P X, and the two unpacking passes.
+// One iteration on an s x length block: A = X X^T (lower tiles), P = a I + b A +
+// c A A (lower tiles), X <- P X, and the two unpacking passes.
 IterationCost iteration_cost(int64_t s, int64_t length, const MachineModel& machine) {
   const ProductCosts products = product_costs(s, length, machine);
   IterationCost cost;
-  cost.blocks = products.blocks;
+  cost.groups = products.groups;
   cost.packed_elements = products.packed_elements;
-  cost.last_block_elements = products.last_block_elements;
+  cost.last_group_elements = products.last_group_elements;
   cost.gram_seconds = products.gram;
   cost.other_seconds = products.square + products.apply + 2 * products.unpack;
   return cost;
@@ -117,14 +122,14 @@ double estimate_gram_all_reduce_seconds(const NsCostInputs& inputs, const Machin
   const IterationCost iteration = iteration_cost(s, length, machine);
   const double ring = 2.0 * (inputs.ranks - 1) / inputs.ranks;
   const double all_reduce =
-      iteration.blocks * machine.seconds_per_collective +
+      iteration.groups * machine.seconds_per_collective +
       4 * iteration.packed_elements * ring / machine.all_reduce_bus_bytes_per_second;
-  // The block columns are summed while later ones are computed: what is left over is at
-  // least the last block's reduction.
-  const double last_block =
+  // The groups of block columns are summed while later ones are computed: what is left over
+  // is at least the last group's reduction.
+  const double last_group =
       machine.seconds_per_collective +
-      4 * iteration.last_block_elements * ring / machine.all_reduce_bus_bytes_per_second;
-  const double exposed = std::max(all_reduce - iteration.gram_seconds, last_block);
+      4 * iteration.last_group_elements * ring / machine.all_reduce_bus_bytes_per_second;
+  const double exposed = std::max(all_reduce - iteration.gram_seconds, last_group);
   double seconds = machine.seconds_per_collective +  // the norm
                    inputs.iterations * (iteration.gram_seconds + iteration.other_seconds + exposed);
   if (redistributes) {  // two exchanges, a piece of each in the open

@@ -20,7 +20,7 @@ struct MachineModel {
   double all_to_all_bytes_per_second = 250e9;  // bytes leaving a rank
   double seconds_per_gemm = 15e-6;             // launch, ramp-up and tail of one product
   double seconds_per_collective = 30e-6;
-  int64_t symmetric_block_target = 1024;
+  int64_t symmetric_block_target = 512;
   int element_bytes = 2;  // bf16 storage
 };
 
@@ -28,6 +28,10 @@ struct MachineModel {
 // overlapping products (newton_schulz.cpp, PiecewiseExchange): only the first piece in and the
 // last piece out are not hidden.
 constexpr int kExchangePieces = 4;
+
+// A Gram summed over a group is computed and all-reduced this many block columns at a time
+// (newton_schulz.cpp, gram_product): each group's all-reduce overlaps the next group's products.
+constexpr int kGramColumnsPerLaunch = 4;
 
 struct NsCostInputs {
   ShardLayout layout;

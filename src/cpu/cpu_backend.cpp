@@ -106,8 +106,12 @@ class CpuBackend final : public Backend {
     }
   }
 
-  // A strided batch runs as its products one after another.
+  // A list or a strided batch runs as its products one after another.
   void gemm(const GemmCall& call, Stream stream) override {
+    if (call.product_count > 0) {
+      for (int64_t p = 0; p < call.product_count; ++p) gemm(call.product(p), stream);
+      return;
+    }
     if (call.batch == 1) {
       gemm_one(call);
       return;
@@ -246,22 +250,17 @@ class CpuBackend final : public Backend {
     const int64_t n = tiles.n;
     for (int64_t matrix = 0; matrix < batch; ++matrix) {
       const int64_t packed_base = matrix * tiles.packed_elements(), dst_base = matrix * n * n;
-      for (int j = 0; j < tiles.blocks(); ++j) {
-        const int64_t offset = packed_base + tiles.offset(j), start = tiles.start(j),
-                      rows = tiles.rows(j);
-        for (int64_t c = start; c < start + tiles.width(j); ++c) {
-          for (int64_t r = c; r < n; ++r) {  // the lower triangle of column c
-            double value =
-                load_element(packed, src_type, offset + (r - start) + (c - start) * rows);
-            if (r == c) {  // the CUDA kernel adds in float32 for float32 sources
-              value =
-                  src_type == SHARDMUON_FLOAT64
-                      ? value + shift
-                      : static_cast<double>(static_cast<float>(value) + static_cast<float>(shift));
-            }
-            store_element(dst, dst_type, dst_base + c * n + r, value);
-            store_element(dst, dst_type, dst_base + r * n + c, value);
+      for (int64_t c = 0; c < n; ++c) {
+        for (int64_t r = c; r < n; ++r) {  // the lower triangle of column c
+          double value = load_element(packed, src_type, packed_base + tiles.packed_index(r, c));
+          if (r == c) {  // the CUDA kernel adds in float32 for float32 sources
+            value =
+                src_type == SHARDMUON_FLOAT64
+                    ? value + shift
+                    : static_cast<double>(static_cast<float>(value) + static_cast<float>(shift));
           }
+          store_element(dst, dst_type, dst_base + c * n + r, value);
+          store_element(dst, dst_type, dst_base + r * n + c, value);
         }
       }
     }

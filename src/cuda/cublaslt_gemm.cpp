@@ -2,7 +2,9 @@
 
 #include <cstdint>
 
+#include "core/dtype.h"
 #include "core/error.h"
+#include "cuda/elementwise.cuh"
 
 namespace shardmuon {
 namespace {
@@ -36,6 +38,11 @@ int64_t alignment_of(const void* pointer) {
   return alignment;
 }
 
+// The largest power of two (up to 256) that divides a byte offset.
+int64_t alignment_of_offset(int64_t bytes) {
+  return alignment_of(reinterpret_cast<const void*>(static_cast<uintptr_t>(bytes)));
+}
+
 }  // namespace
 
 struct CublasLtGemm::Plan {
@@ -57,6 +64,7 @@ CublasLtGemm::CublasLtGemm() {
   SHARDMUON_CUBLAS(cublasLtCreate(&handle_));
   workspace_ = make_device_memory(kCublasWorkspaceBytes);
   workspace_bytes_ = kCublasWorkspaceBytes;
+  pointer_arrays_ = make_device_memory(4 * kPointerCapacity * sizeof(void*));
 }
 
 CublasLtGemm::~CublasLtGemm() {
@@ -64,14 +72,17 @@ CublasLtGemm::~CublasLtGemm() {
   if (handle_ != nullptr) cublasLtDestroy(handle_);
 }
 
-const CublasLtGemm::Plan& CublasLtGemm::plan_for(const GemmCall& call) {
+const CublasLtGemm::Plan& CublasLtGemm::plan_for(const GemmCall& call, bool pointer_arrays,
+                                                 int64_t alignment_a, int64_t alignment_b,
+                                                 int64_t alignment_cd) {
+  const bool strided = !pointer_arrays && call.batch > 1;
   const PlanKey key = {call.transpose_a, call.transpose_b, call.m, call.n, call.k, call.lda,
-                       call.ldb, call.ldc, call.ldd, call.ab_type, call.cd_type,
-                       alignment_of(call.a), alignment_of(call.b),
-                       std::min(alignment_of(call.c), alignment_of(call.d)), call.sm_count_target,
-                       call.batch, call.stride_a, call.stride_b,
+                       call.ldb, call.ldc, call.ldd, call.ab_type, call.cd_type, alignment_a,
+                       alignment_b, alignment_cd, call.sm_count_target, call.batch,
+                       strided ? call.stride_a : 0, strided ? call.stride_b : 0,
                        // beta == 0: C is D (run's pointer), with D's strides
-                       call.beta == 0.0 ? call.stride_d : call.stride_c, call.stride_d};
+                       strided ? (call.beta == 0.0 ? call.stride_d : call.stride_c) : 0,
+                       strided ? call.stride_d : 0, pointer_arrays};
   auto found = plans_.find(key);
   if (found != plans_.end()) return *found->second;
 
@@ -102,15 +113,22 @@ const CublasLtGemm::Plan& CublasLtGemm::plan_for(const GemmCall& call) {
                                               call.transpose_b ? call.k : call.n, call.ldb));
   SHARDMUON_CUBLAS(cublasLtMatrixLayoutCreate(&plan->c, cd, call.m, call.n, call.ldc));
   SHARDMUON_CUBLAS(cublasLtMatrixLayoutCreate(&plan->d, cd, call.m, call.n, call.ldd));
-  if (call.batch > 1) {  // a strided batch: the same count on every operand, each its stride
+  if (call.batch > 1) {  // the same count on every operand, each its stride or its pointers
     const int32_t count = static_cast<int32_t>(call.batch);
     const cublasLtMatrixLayout_t layouts[4] = {plan->a, plan->b, plan->c, plan->d};
     const int64_t strides[4] = {key[16], key[17], key[18], key[19]};
+    const uint32_t mode = CUBLASLT_BATCH_MODE_POINTER_ARRAY;
     for (int i = 0; i < 4; ++i) {
       SHARDMUON_CUBLAS(cublasLtMatrixLayoutSetAttribute(
           layouts[i], CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count, sizeof count));
-      SHARDMUON_CUBLAS(cublasLtMatrixLayoutSetAttribute(
-          layouts[i], CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &strides[i], sizeof strides[i]));
+      if (pointer_arrays) {
+        SHARDMUON_CUBLAS(cublasLtMatrixLayoutSetAttribute(
+            layouts[i], CUBLASLT_MATRIX_LAYOUT_BATCH_MODE, &mode, sizeof mode));
+      } else {
+        SHARDMUON_CUBLAS(cublasLtMatrixLayoutSetAttribute(
+            layouts[i], CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &strides[i],
+            sizeof strides[i]));
+      }
     }
   }
 
@@ -145,19 +163,74 @@ const CublasLtGemm::Plan& CublasLtGemm::plan_for(const GemmCall& call) {
 }
 
 void CublasLtGemm::run(const GemmCall& call, cudaStream_t stream) {
-  const Plan& plan = plan_for(call);
+  if (call.product_count > 0) {
+    run_list(call, stream);
+    return;
+  }
+  const Plan& plan = plan_for(call, false, alignment_of(call.a), alignment_of(call.b),
+                              std::min(alignment_of(call.c), alignment_of(call.d)));
   // beta == 0 must not read C; point it at D, which has C's type and shape.
-  const void* c = call.beta == 0.0 ? call.d : call.c;
+  run_plan(plan, call, call.a, call.b, call.beta == 0.0 ? call.d : call.c, call.d, stream);
+}
+
+void CublasLtGemm::run_plan(const Plan& plan, const GemmCall& call, const void* a, const void* b,
+                            const void* c, void* d, cudaStream_t stream) {
   if (plan.double_scale) {
     const double alpha = call.alpha, beta = call.beta;
-    SHARDMUON_CUBLAS(cublasLtMatmul(handle_, plan.operation, &alpha, call.a, plan.a, call.b, plan.b,
-                                    &beta, c, plan.c, call.d, plan.d, &plan.algorithm,
-                                    workspace_.get(), workspace_bytes_, stream));
+    SHARDMUON_CUBLAS(cublasLtMatmul(handle_, plan.operation, &alpha, a, plan.a, b, plan.b, &beta, c,
+                                    plan.c, d, plan.d, &plan.algorithm, workspace_.get(),
+                                    workspace_bytes_, stream));
   } else {
     const float alpha = static_cast<float>(call.alpha), beta = static_cast<float>(call.beta);
-    SHARDMUON_CUBLAS(cublasLtMatmul(handle_, plan.operation, &alpha, call.a, plan.a, call.b, plan.b,
-                                    &beta, c, plan.c, call.d, plan.d, &plan.algorithm,
-                                    workspace_.get(), workspace_bytes_, stream));
+    SHARDMUON_CUBLAS(cublasLtMatmul(handle_, plan.operation, &alpha, a, plan.a, b, plan.b, &beta, c,
+                                    plan.c, d, plan.d, &plan.algorithm, workspace_.get(),
+                                    workspace_bytes_, stream));
+  }
+}
+
+void CublasLtGemm::run_list(const GemmCall& call, cudaStream_t stream) {
+  const size_t ab = element_size(call.ab_type), cd = element_size(call.cd_type);
+  if (call.batch > kPointerCapacity) {  // too many matrices for the arrays: product by product
+    for (int64_t p = 0; p < call.product_count; ++p) run(call.product(p), stream);
+    return;
+  }
+  const int64_t per_launch =
+      std::min<int64_t>(PointerArraySource::kMaxProducts, kPointerCapacity / call.batch);
+  void** arrays[4];
+  for (int i = 0; i < 4; ++i) {
+    arrays[i] = static_cast<void**>(pointer_arrays_.get()) + i * kPointerCapacity;
+  }
+  // beta == 0 must not read C: its pointers are D's.
+  const int64_t stride_c = call.beta == 0.0 ? call.stride_d : call.stride_c;
+  const int64_t strides[4] = {
+      call.stride_a * static_cast<int64_t>(ab), call.stride_b * static_cast<int64_t>(ab),
+      stride_c * static_cast<int64_t>(cd), call.stride_d * static_cast<int64_t>(cd)};
+  for (int64_t first = 0; first < call.product_count; first += per_launch) {
+    const int64_t count = std::min(per_launch, call.product_count - first);
+    PointerArraySource source{};
+    source.products = static_cast<int>(count);
+    source.batch = call.batch;
+    int64_t alignment[4] = {256, 256, 256, 256};
+    for (int64_t p = 0; p < count; ++p) {
+      const GemmOperands& product = call.products[first + p];
+      const void* operands[4] = {product.a, product.b, call.beta == 0.0 ? product.d : product.c,
+                                 product.d};
+      for (int i = 0; i < 4; ++i) {
+        source.operands[i][p] = static_cast<const char*>(operands[i]);
+        alignment[i] = std::min(alignment[i], alignment_of(operands[i]));
+      }
+    }
+    for (int i = 0; i < 4; ++i) {
+      source.stride_bytes[i] = strides[i];
+      // The strided matrices must keep the alignment the plan is made for.
+      if (call.batch > 1) alignment[i] = std::min(alignment[i], alignment_of_offset(strides[i]));
+    }
+    GemmCall launch = call;
+    launch.batch = count * call.batch;
+    const Plan& plan =
+        plan_for(launch, true, alignment[0], alignment[1], std::min(alignment[2], alignment[3]));
+    fill_pointer_arrays_cuda(source, arrays, stream);
+    run_plan(plan, launch, arrays[0], arrays[1], arrays[2], arrays[3], stream);
   }
 }
 

@@ -274,7 +274,10 @@ class CudaBackend final : public Backend {
   UniqueEvent last_call_done_;
   // Blocks of 1024 columns by default: GEMMs of that width still run near the peak rate,
   // and a matrix of side 8192 then computes 9/16 of the full product.
-  int64_t symmetric_block_target_ = 1024;
+  // Tiles of about 512: their products run as one launch, which fills the GPU where 1024-wide
+  // block columns did not (a whole 4096^2 call on an H200: 2.48 ms at 512 against 2.55 at
+  // 1024, docs/BENCHMARKS.md).
+  int64_t symmetric_block_target_ = 512;
   int device_sms_ = 0;
   // SMs that GEMMs overlapping a collective leave free for it (cuBLASLt's SM count target).
   // 32 measured best of 0, 16 and 32 on 2 H200s (docs/BENCHMARKS.md): up to 7% faster at

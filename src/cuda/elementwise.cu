@@ -2,8 +2,6 @@
 
 #include <algorithm>
 #include <cub/block/block_reduce.cuh>
-#include <cub/device/device_reduce.cuh>
-#include <cuda/std/functional>
 
 #include "core/error.h"
 #include "cuda/cuda_check.h"
@@ -29,15 +27,6 @@ template <>
 __device__ __forceinline__ __nv_bfloat16 from_accumulate<__nv_bfloat16>(float x) {
   return __float2bfloat16_rn(x);
 }
-
-// x -> x^2 in the accumulate type (float32 for float32 and bf16 storage).
-template <typename T>
-struct SquareInFloat {
-  __device__ __forceinline__ float operator()(T x) const {
-    const float value = to_float(x);
-    return value * value;
-  }
-};
 
 constexpr int kThreads = 256;
 
@@ -103,7 +92,7 @@ int64_t chunks_per_vector(int64_t count, int64_t batch) {
 }
 
 // unpack_symmetric, one 64 x 64 tile pair per thread block: tile (I, J) of the lower triangle
-// (I >= J, in tiles; the grid holds only those) is read once from the packed block columns,
+// (I >= J, in tiles; the grid holds only those) is read once from the packed tiles,
 // two rows per thread (8-byte loads down its columns), and written to its own place and,
 // transposed through shared memory, to tile (J, I), two rows per thread again. On a diagonal
 // tile the entries above the diagonal come from their mirror images below it, so the result
@@ -118,11 +107,27 @@ struct PackedTriangle {
   int64_t starts[kMaxBlocks + 1];
   int64_t offsets[kMaxBlocks + 1];
 
-  // Where column c's entry of row r >= starts[j] is kept is column_base(c) + r.
-  __device__ int64_t column_base(int64_t c) const {
-    int j = 0;
-    while (c >= starts[j + 1]) ++j;
-    return offsets[j] + (c - starts[j]) * (n - starts[j]) - starts[j];
+  // The block holding row (or column) r.
+  __device__ int block_of(int64_t r) const {
+    int i = 0;
+    while (r >= starts[i + 1]) ++i;
+    return i;
+  }
+};
+
+// SymmetricTiles::packed_index of entry (r, c), r in block i and c in block j <= i, split into
+// what depends on the column and what on the row: offsets[j] + (starts[i] - starts[j]) w_j +
+// (c - starts[j]) w_i + (r - starts[i]) = column_base + starts[i] w_j + column_in_block w_i +
+// row_in_block.
+struct PackedColumn {
+  int64_t base;  // offsets[j] - starts[j] w_j
+  int64_t width;
+  int64_t in_block;
+};
+struct PackedRow {
+  int64_t start, width, in_block;
+  __device__ int64_t index(const PackedColumn& column) const {
+    return column.base + start * column.width + column.in_block * width + in_block;
   }
 };
 
@@ -150,8 +155,9 @@ __device__ __forceinline__ void store_pair(Destination* dst, int64_t index, floa
 
 template <typename Destination>
 __global__ void __launch_bounds__(kThreadsX* kThreadsY)
-    unpack_symmetric_kernel(const float* packed_batch, PackedTriangle layout,
-                            Destination* dst_batch, float shift) {
+    unpack_symmetric_kernel(const float* packed_batch,
+                            const __grid_constant__ PackedTriangle layout, Destination* dst_batch,
+                            float shift) {
   // Matrix blockIdx.y of a batch.
   const float* packed = packed_batch + blockIdx.y * layout.packed_elements;
   Destination* dst = dst_batch + blockIdx.y * layout.n * layout.n;
@@ -163,25 +169,35 @@ __global__ void __launch_bounds__(kThreadsX* kThreadsY)
   const int64_t tile_col = k - tile_row * (tile_row + 1) / 2;
 
   __shared__ float tile[kTile][kTile + 1];  // [column][row] of the lower tile (I, J)
-  __shared__ int64_t column_bases[kTile];
+  __shared__ PackedColumn columns[kTile];
   const int64_t n = layout.n;
   const int64_t row0 = tile_row * kTile, col0 = tile_col * kTile;
   const int thread = threadIdx.y * kThreadsX + threadIdx.x;
-  if (thread < kTile && col0 + thread < n) column_bases[thread] = layout.column_base(col0 + thread);
+  if (thread < kTile && col0 + thread < n) {
+    const int64_t c = col0 + thread;
+    const int j = layout.block_of(c);
+    const int64_t width = layout.starts[j + 1] - layout.starts[j];
+    columns[thread] = {layout.offsets[j] - layout.starts[j] * width, width, c - layout.starts[j]};
+  }
   __syncthreads();
 
   const int row_in_tile = 2 * threadIdx.x;
-  const int64_t r = row0 + row_in_tile;  // this thread's rows are r and r + 1
+  const int64_t r = row0 + row_in_tile;  // this thread's rows are r and r + 1, in one block
+  PackedRow row{};
+  if (r < n) {
+    const int i = layout.block_of(r);
+    row = {layout.starts[i], layout.starts[i + 1] - layout.starts[i], r - layout.starts[i]};
+  }
   for (int y = threadIdx.y; y < kTile; y += kThreadsY) {
     const int64_t c = col0 + y;
     if (r >= n || c >= n || r + 1 < c) continue;  // outside, or above the diagonal
-    const float* column = packed + column_bases[y];
+    const float* pair_start = packed + row.index(columns[y]);
     if (r >= c) {
-      const float2 pair = *reinterpret_cast<const float2*>(column + r);
+      const float2 pair = *reinterpret_cast<const float2*>(pair_start);
       tile[y][row_in_tile] = pair.x;
       tile[y][row_in_tile + 1] = pair.y;
     } else {  // r + 1 == c: only the second row is on or below the diagonal
-      tile[y][row_in_tile + 1] = column[r + 1];
+      tile[y][row_in_tile + 1] = pair_start[1];
     }
   }
   __syncthreads();
@@ -208,64 +224,65 @@ __global__ void __launch_bounds__(kThreadsX* kThreadsY)
   }
 }
 
-template <typename T>
-size_t transform_reduce(void* scratch, size_t scratch_bytes, const void* x, int64_t count,
-                        void* result, cudaStream_t stream) {
-  SHARDMUON_CUDA(cub::DeviceReduce::TransformReduce(
-      scratch, scratch_bytes, static_cast<const T*>(x), static_cast<float*>(result), count,
-      ::cuda::std::plus<float>{}, SquareInFloat<T>{}, 0.0f, stream));
-  return scratch_bytes;
-}
-
 void check_launch(const char* kernel) {
   check_cuda(cudaGetLastError(), kernel);
 }
 
+__global__ void fill_pointer_arrays_kernel(const PointerArraySource source, void** a, void** b,
+                                           void** c, void** d) {
+  void** arrays[4] = {a, b, c, d};
+  const int64_t total = source.products * source.batch;
+  for (int64_t t = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; t < total;
+       t += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t product = t / source.batch, matrix = t % source.batch;
+    for (int operand = 0; operand < 4; ++operand) {
+      arrays[operand][t] = const_cast<char*>(source.operands[operand][product]) +
+                           matrix * source.stride_bytes[operand];
+    }
+  }
+}
+
 }  // namespace
 
-size_t sum_of_squares_scratch_bytes_cuda(shardmuon_dtype dtype, int64_t count, int64_t batch) {
-  if (batch > 1) {  // the chunks' partial sums
-    return static_cast<size_t>(batch * chunks_per_vector(count, batch)) * sizeof(float);
-  }
-  size_t bytes = 0;
-  if (dtype == SHARDMUON_BFLOAT16) {
-    bytes = transform_reduce<__nv_bfloat16>(nullptr, 0, nullptr, count, nullptr, nullptr);
-  } else {
-    bytes = transform_reduce<float>(nullptr, 0, nullptr, count, nullptr, nullptr);
-  }
-  return bytes;
+void fill_pointer_arrays_cuda(const PointerArraySource& source, void** arrays[4],
+                              cudaStream_t stream) {
+  const int64_t total = source.products * source.batch;
+  const unsigned int blocks = static_cast<unsigned int>(std::min<int64_t>((total + 255) / 256, 64));
+  fill_pointer_arrays_kernel<<<blocks, 256, 0, stream>>>(source, arrays[0], arrays[1], arrays[2],
+                                                         arrays[3]);
+  check_launch("fill_pointer_arrays_kernel");
+}
+
+// One chunked two-pass reduction for every batch, one matrix included: a library reduction
+// (cub::DeviceReduce) would query the device's occupancy on the host at every call, about
+// 30 us before the first kernel of a call.
+size_t sum_of_squares_scratch_bytes_cuda(shardmuon_dtype, int64_t count, int64_t batch) {
+  return static_cast<size_t>(batch * chunks_per_vector(count, batch)) * sizeof(float);
 }
 
 void sum_of_squares_cuda(const void* x, shardmuon_dtype dtype, int64_t count, int64_t batch,
                          void* result, void* scratch, size_t scratch_bytes, cudaStream_t stream) {
-  if (batch > 1) {
-    if (batch > 65535) fail(SHARDMUON_ERROR_UNSUPPORTED, "batch ", batch, " above 65535");
-    const int64_t chunks = chunks_per_vector(count, batch);
-    if (scratch_bytes < static_cast<size_t>(batch * chunks) * sizeof(float)) {
-      fail(SHARDMUON_ERROR_INTERNAL, "sum_of_squares_cuda: scratch of ", scratch_bytes,
-           " bytes for a batch of ", batch);
-    }
-    const int64_t chunk_length = (count + chunks - 1) / chunks;
-    float* partials = static_cast<float*>(scratch);
-    const dim3 grid(static_cast<unsigned int>(chunks), static_cast<unsigned int>(batch));
-    if (dtype == SHARDMUON_BFLOAT16) {
-      chunk_sum_of_squares_kernel<<<grid, kThreads, 0, stream>>>(
-          static_cast<const __nv_bfloat16*>(x), count, chunk_length, partials);
-    } else {
-      chunk_sum_of_squares_kernel<<<grid, kThreads, 0, stream>>>(static_cast<const float*>(x),
-                                                                 count, chunk_length, partials);
-    }
-    check_launch("chunk_sum_of_squares_kernel");
-    sum_partials_kernel<<<static_cast<unsigned int>(batch), kThreads, 0, stream>>>(
-        partials, chunks, static_cast<float*>(result));
-    check_launch("sum_partials_kernel");
-    return;
+  if (batch == 0) return;
+  if (batch > 65535) fail(SHARDMUON_ERROR_UNSUPPORTED, "batch ", batch, " above 65535");
+  const int64_t chunks = chunks_per_vector(count, batch);
+  if (scratch_bytes < static_cast<size_t>(batch * chunks) * sizeof(float)) {
+    fail(SHARDMUON_ERROR_INTERNAL, "sum_of_squares_cuda: scratch of ", scratch_bytes,
+         " bytes for a batch of ", batch);
   }
+  const int64_t chunk_length = (count + chunks - 1) / chunks;
+  float* partials = static_cast<float*>(scratch);
+  const dim3 grid(static_cast<unsigned int>(chunks), static_cast<unsigned int>(batch));
   if (dtype == SHARDMUON_BFLOAT16) {
-    transform_reduce<__nv_bfloat16>(scratch, scratch_bytes, x, count, result, stream);
+    chunk_sum_of_squares_kernel<<<grid, kThreads, 0, stream>>>(static_cast<const __nv_bfloat16*>(x),
+                                                               count, chunk_length, partials);
   } else {
-    transform_reduce<float>(scratch, scratch_bytes, x, count, result, stream);
+    chunk_sum_of_squares_kernel<<<grid, kThreads, 0, stream>>>(static_cast<const float*>(x), count,
+                                                               chunk_length, partials);
   }
+  check_launch("chunk_sum_of_squares_kernel");
+  sum_partials_kernel<<<static_cast<unsigned int>(batch), kThreads, 0, stream>>>(
+      partials, chunks, static_cast<float*>(result));
+  check_launch("sum_partials_kernel");
 }
 
 void divide_by_norm_cuda(const void* x, void* y, shardmuon_dtype dtype, int64_t count,

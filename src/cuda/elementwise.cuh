@@ -23,4 +23,17 @@ void unpack_symmetric_cuda(const void* packed, shardmuon_dtype src_type,
                            const SymmetricTiles& tiles, int64_t batch, void* dst,
                            shardmuon_dtype dst_type, double shift, cudaStream_t stream);
 
+// The pointer arrays of a cuBLASLt pointer-array batch: product p's matrix m (of a strided
+// batch of `batch`) is entry p * batch + m, at its pointer plus m times the stride (bytes).
+// The operands travel as kernel arguments, so a captured graph replays the same arrays.
+struct PointerArraySource {
+  static constexpr int kMaxProducts = 256;
+  const char* operands[4][kMaxProducts];  // a, b, c, d
+  int64_t stride_bytes[4];
+  int products;
+  int64_t batch;
+};
+void fill_pointer_arrays_cuda(const PointerArraySource& source, void** arrays[4],
+                              cudaStream_t stream);
+
 }  // namespace shardmuon
