@@ -119,6 +119,18 @@ struct CommitPass {
   DeviceLearningRate device_lr;
 };
 
+// What mirror_lower adds to the diagonal blocks first (none when products is null): each
+// lower entry (r, c) of a diagonal block becomes products[packed index] + scale * addend[r, c]
+// (+ shift where r == c), in the accumulate dtype, rounded once to the matrix's dtype.
+// products holds SymmetricTiles' diagonal tiles (accumulate dtype, packed layout); addend is
+// a full matrix of the storage dtype.
+struct SymmetricDiagonal {
+  const void* products = nullptr;
+  double scale = 0.0;
+  const void* addend = nullptr;
+  double shift = 0.0;
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -194,6 +206,12 @@ class Backend {
   virtual void unpack_symmetric(const void* packed, shardmuon_dtype src_type,
                                 const SymmetricTiles& tiles, int64_t batch, void* dst,
                                 shardmuon_dtype dst_type, double shift, Stream stream) = 0;
+  // The n x n matrix (column-major, dtype) becomes exactly symmetric: its upper triangle is
+  // overwritten with its lower one, after `diagonal` (if given) has set the lower triangle of
+  // its diagonal blocks. For a batch, matrix b is at b * n * n (and its packed diagonal
+  // tiles at b * tiles.packed_elements()).
+  virtual void mirror_lower(void* matrix, shardmuon_dtype dtype, const SymmetricTiles& tiles,
+                            int64_t batch, const SymmetricDiagonal& diagonal, Stream stream) = 0;
   // A stream for communication that overlaps computation on `stream` (the CUDA backend's
   // own, created once; the CPU backend, which computes before returning, gives `stream`).
   virtual Stream side_stream(Stream stream) = 0;

@@ -340,12 +340,16 @@ class PiecewiseExchange {
   Stream side_;
 };
 
-// The products of the tiles (i, j), i >= j, of block columns [first, last) of `tiles`: one
-// launch per tile shape (all tiles share one but those of the last block). `call` holds what
-// every tile's product shares; operands(i, j) gives tile (i, j)'s; each writes its packed
-// tile, whose leading dimension is its row count.
+// Which lower tiles a tile_products call computes.
+enum class Tiles { kAll, kDiagonal, kBelowDiagonal };
+
+// The products of the tiles (i, j), i >= j, of block columns [first, last) of `tiles` (those
+// that `which` selects): one launch per tile shape (all tiles share one but those of the last
+// block). `call` holds what every tile's product shares, its leading dimensions of C and D
+// included when the tiles lie in a full matrix; with ldd == 0 they are packed tiles, whose
+// leading dimension is their row count. operands(i, j) gives tile (i, j)'s pointers.
 template <typename Operands>
-void tile_products(Backend& backend, const SymmetricTiles& tiles, int first, int last,
+void tile_products(Backend& backend, const SymmetricTiles& tiles, int first, int last, Tiles which,
                    GemmCall call, Operands&& operands, Stream stream) {
   struct Shape {
     int64_t m, n;
@@ -354,6 +358,9 @@ void tile_products(Backend& backend, const SymmetricTiles& tiles, int first, int
   std::vector<Shape> shapes;
   for (int j = first; j < last; ++j) {
     for (int i = j; i < tiles.blocks(); ++i) {
+      if ((which == Tiles::kDiagonal && i != j) || (which == Tiles::kBelowDiagonal && i == j)) {
+        continue;
+      }
       const int64_t m = tiles.width(i), n = tiles.width(j);
       auto shape = std::find_if(shapes.begin(), shapes.end(),
                                 [&](const Shape& x) { return x.m == m && x.n == n; });
@@ -361,10 +368,11 @@ void tile_products(Backend& backend, const SymmetricTiles& tiles, int first, int
       shape->products.push_back(operands(i, j));
     }
   }
+  const bool packed = call.ldd == 0;
   for (const Shape& shape : shapes) {
     call.m = shape.m;
     call.n = shape.n;
-    call.ldc = call.ldd = shape.m;
+    if (packed) call.ldc = call.ldd = shape.m;
     if (shape.products.size() == 1) {
       call.a = shape.products[0].a;
       call.b = shape.products[0].b;
@@ -380,6 +388,61 @@ void tile_products(Backend& backend, const SymmetricTiles& tiles, int first, int
   }
 }
 
+// Rows of X as the operands of a Gram tile's product over the long-side columns from
+// range_first on: `of` sets the call's transposes and leading dimensions, row_offset(r) is
+// where row r of X starts in the block (elements).
+struct GramOperand {
+  int64_t row_step = 0;  // elements between rows of X
+  int64_t range_offset = 0;
+
+  static GramOperand of(const WideBlock& block, int64_t range_first, GemmCall& call) {
+    GramOperand operand;
+    if (block.long_side_is_cols) {  // operand is X^T (length x s): (X^T)^T X^T
+      call.transpose_a = true;
+      call.lda = call.ldb = block.length;
+      operand.row_step = block.length;
+      operand.range_offset = range_first;
+    } else {  // operand is X (s x length): X X^T
+      call.transpose_b = true;
+      call.lda = call.ldb = block.s;
+      operand.row_step = 1;
+      operand.range_offset = range_first * block.s;
+    }
+    return operand;
+  }
+  int64_t row_offset(int64_t row) const { return row * row_step + range_offset; }
+};
+
+// A = X X^T of a whole block on one rank: every lower tile in one launch, written rounded to
+// the storage dtype where it lies in the full matrix, whose upper triangle is then mirrored
+// from the lower one (a pass over half the matrix; no float32 triangle to unpack).
+void local_gram_product(Backend& backend, shardmuon_dtype dtype, const WideBlock& block,
+                        const void* x, const IterationBuffers& buffers, Stream stream) {
+  const size_t element = element_size(dtype);
+  const SymmetricTiles& tiles = buffers.tiles;
+  const int64_t s = tiles.n;
+  GemmCall call;
+  call.k = block.length;
+  call.ab_type = call.cd_type = dtype;
+  call.ldc = call.ldd = s;
+  call.batch = buffers.batch;
+  call.stride_a = call.stride_b = block.elements();
+  call.stride_c = call.stride_d = s * s;
+  const GramOperand operand = GramOperand::of(block, 0, call);
+  tile_products(
+      backend, tiles, 0, tiles.blocks(), Tiles::kAll, call,
+      [&](int i, int j) {
+        GemmOperands tile;
+        tile.a = byte_offset(x, operand.row_offset(tiles.start(i)) * element);
+        tile.b = byte_offset(x, operand.row_offset(tiles.start(j)) * element);
+        tile.d = byte_offset(buffers.gram_full, (tiles.start(i) + tiles.start(j) * s) * element);
+        tile.c = tile.d;
+        return tile;
+      },
+      stream);
+  backend.mirror_lower(buffers.gram_full, dtype, tiles, buffers.batch, SymmetricDiagonal{}, stream);
+}
+
 // A = X X^T over this block's columns of X (the partial Gram of a long-side block), lower
 // tiles only, then unpacked for the next product. With comm, the block columns are summed
 // over the group kGramColumnsPerLaunch at a time, each group as soon as its tiles are
@@ -393,6 +456,10 @@ void gram_product(Backend& backend, Communicator* comm, shardmuon_dtype dtype,
   const shardmuon_dtype accumulate = accumulate_dtype(dtype);
   const size_t element = element_size(dtype), accumulate_element = element_size(accumulate);
   const SymmetricTiles& tiles = buffers.tiles;
+  if (comm == nullptr && arrivals == nullptr) {
+    local_gram_product(backend, dtype, block, x, buffers, stream);
+    return;
+  }
   const Stream side = comm != nullptr ? backend.side_stream(stream) : stream;
   const int pieces = arrivals != nullptr ? arrivals->pieces() : 1;
   // Block columns per launch: all at once without comm; with it, four at a time, each group
@@ -423,26 +490,14 @@ void gram_product(Backend& backend, Communicator* comm, shardmuon_dtype dtype,
         call.stride_c = call.stride_d = tiles.packed_elements();
         // Beside the previous group's all-reduce, or the next piece's arrival.
         call.overlaps_communication = comm != nullptr && (!last_piece || first > 0);
-        int64_t row_step = 0;  // elements between rows of X in the operand
-        int64_t range_offset = 0;
-        if (block.long_side_is_cols) {  // operand is X^T (length x s): (X^T)^T X^T
-          call.transpose_a = true;
-          call.lda = call.ldb = block.length;
-          row_step = block.length;
-          range_offset = range.first;
-        } else {  // operand is X (s x length): X X^T
-          call.transpose_b = true;
-          call.lda = call.ldb = block.s;
-          row_step = 1;
-          range_offset = range.first * block.s;
-        }
+        const GramOperand operand = GramOperand::of(block, range.first, call);
         void* packed = buffers.gram_packed;
         tile_products(
-            backend, tiles, first, last, call,
+            backend, tiles, first, last, Tiles::kAll, call,
             [&](int i, int j) {
               GemmOperands tile;
-              tile.a = byte_offset(x, (tiles.start(i) * row_step + range_offset) * element);
-              tile.b = byte_offset(x, (tiles.start(j) * row_step + range_offset) * element);
+              tile.a = byte_offset(x, operand.row_offset(tiles.start(i)) * element);
+              tile.b = byte_offset(x, operand.row_offset(tiles.start(j)) * element);
               tile.d = byte_offset(packed, tiles.tile_offset(i, j) * accumulate_element);
               tile.c = tile.d;
               return tile;
@@ -484,7 +539,7 @@ void symmetric_product(Backend& backend, shardmuon_dtype dtype, const SymmetricT
   call.stride_a = call.stride_b = s * s;
   call.stride_c = call.stride_d = tiles.packed_elements();
   tile_products(
-      backend, tiles, 0, tiles.blocks(), call,
+      backend, tiles, 0, tiles.blocks(), Tiles::kAll, call,
       [&](int i, int j) {  // A[rows of block i, :] B[:, columns of block j]
         GemmOperands tile;
         const int64_t packed_offset = tiles.tile_offset(i, j) * accumulate_element;
@@ -497,8 +552,10 @@ void symmetric_product(Backend& backend, shardmuon_dtype dtype, const SymmetricT
       stream);
 }
 
-// P = a I + b A + c A A, lower block columns of c A A + b A in the accumulate dtype, then
-// a I added while unpacking, which rounds P once to the storage dtype for X <- P X.
+// P = a I + b A + c A A from A (storage dtype, full): the tiles below the diagonal blocks are
+// c A A + b A rounded once where they lie in P (the GEMM adds b A, read from A, before
+// rounding); the diagonal tiles are c A A in the accumulate dtype, and the pass that mirrors P's
+// lower triangle adds b A + a I to them and rounds them once.
 //
 // Folding a I into P before rounding (rather than computing a X + B X) matters for bf16:
 // where a singular value is near 1, a + b s^2 + c s^4 is far smaller than its terms (the
@@ -506,11 +563,58 @@ void symmetric_product(Backend& backend, shardmuon_dtype dtype, const SymmetricT
 // on its own would lose up to 35x more accuracy than rounding P, whose size is the result's.
 void gram_polynomial(Backend& backend, shardmuon_dtype dtype, const Coefficients& coefficients,
                      const IterationBuffers& buffers, Stream stream) {
-  symmetric_product(backend, dtype, buffers.tiles, buffers.batch, buffers.gram_full,
-                    buffers.gram_full, coefficients.c, coefficients.b, buffers.gram_packed,
-                    buffers.poly_packed, stream);
-  backend.unpack_symmetric(buffers.poly_packed, accumulate_dtype(dtype), buffers.tiles,
-                           buffers.batch, buffers.poly_full, dtype, coefficients.a, stream);
+  const shardmuon_dtype accumulate = accumulate_dtype(dtype);
+  const size_t element = element_size(dtype), accumulate_element = element_size(accumulate);
+  const SymmetricTiles& tiles = buffers.tiles;
+  const int64_t s = tiles.n;
+  const void* a = buffers.gram_full;
+  GemmCall call;
+  call.k = s;
+  call.alpha = coefficients.c;
+  call.lda = call.ldb = s;
+  call.ab_type = dtype;
+  call.batch = buffers.batch;
+  call.stride_a = call.stride_b = s * s;
+  // A[rows of block i, :] A[:, columns of block j]
+  auto rows = [&](int i) { return byte_offset(a, tiles.start(i) * element); };
+  auto columns = [&](int j) { return byte_offset(a, tiles.start(j) * s * element); };
+  GemmCall below = call;
+  below.beta = coefficients.b;
+  below.cd_type = dtype;
+  below.ldc = below.ldd = s;
+  below.stride_c = below.stride_d = s * s;
+  tile_products(
+      backend, tiles, 0, tiles.blocks(), Tiles::kBelowDiagonal, below,
+      [&](int i, int j) {
+        GemmOperands tile;
+        const int64_t offset = (tiles.start(i) + tiles.start(j) * s) * element;
+        tile.a = rows(i);
+        tile.b = columns(j);
+        tile.c = byte_offset(a, offset);
+        tile.d = byte_offset(buffers.poly_full, offset);
+        return tile;
+      },
+      stream);
+  GemmCall diagonal = call;
+  diagonal.cd_type = accumulate;
+  diagonal.stride_c = diagonal.stride_d = tiles.packed_elements();
+  tile_products(
+      backend, tiles, 0, tiles.blocks(), Tiles::kDiagonal, diagonal,
+      [&](int i, int j) {
+        GemmOperands tile;
+        tile.a = rows(i);
+        tile.b = columns(j);
+        tile.d = byte_offset(buffers.poly_packed, tiles.tile_offset(i, j) * accumulate_element);
+        tile.c = tile.d;
+        return tile;
+      },
+      stream);
+  SymmetricDiagonal finish;
+  finish.products = buffers.poly_packed;
+  finish.scale = coefficients.b;
+  finish.addend = a;
+  finish.shift = coefficients.a;
+  backend.mirror_lower(buffers.poly_full, dtype, tiles, buffers.batch, finish, stream);
 }
 
 // x_next = P X for this block's columns of X (P is symmetric, so in the transposed view

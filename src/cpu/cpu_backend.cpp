@@ -266,6 +266,36 @@ class CpuBackend final : public Backend {
     }
   }
 
+  void mirror_lower(void* matrix, shardmuon_dtype dtype, const SymmetricTiles& tiles, int64_t batch,
+                    const SymmetricDiagonal& diagonal, Stream) override {
+    const int64_t n = tiles.n;
+    const shardmuon_dtype accumulate = accumulate_dtype(dtype);
+    const bool wide = dtype == SHARDMUON_FLOAT64;  // else float32 arithmetic, as on CUDA
+    for (int64_t m = 0; m < batch; ++m) {
+      const int64_t base = m * n * n, packed_base = m * tiles.packed_elements();
+      for (int64_t c = 0; c < n; ++c) {
+        for (int64_t r = c; r < n; ++r) {
+          double value = load_element(matrix, dtype, base + c * n + r);
+          if (diagonal.products != nullptr && tiles.block_of(r) == tiles.block_of(c)) {
+            const double product =
+                load_element(diagonal.products, accumulate, packed_base + tiles.packed_index(r, c));
+            const double addend = load_element(diagonal.addend, dtype, base + c * n + r);
+            const double shift = r == c ? diagonal.shift : 0.0;
+            if (wide) {
+              value = product + diagonal.scale * addend + shift;
+            } else {
+              const float sum = static_cast<float>(product) +
+                                static_cast<float>(diagonal.scale) * static_cast<float>(addend);
+              value = static_cast<double>(sum + static_cast<float>(shift));
+            }
+            store_element(matrix, dtype, base + c * n + r, value);
+          }
+          store_element(matrix, dtype, base + r * n + c, value);
+        }
+      }
+    }
+  }
+
   Stream side_stream(Stream stream) override { return stream; }
   void order_after(Stream, Stream) override {}
 

@@ -249,6 +249,11 @@ class CudaBackend final : public Backend {
     unpack_symmetric_cuda(packed, src_type, tiles, batch, dst, dst_type, shift, as_cuda(stream));
   }
 
+  void mirror_lower(void* matrix, shardmuon_dtype dtype, const SymmetricTiles& tiles, int64_t batch,
+                    const SymmetricDiagonal& diagonal, Stream stream) override {
+    mirror_lower_cuda(matrix, dtype, tiles, batch, diagonal, as_cuda(stream));
+  }
+
   Stream side_stream(Stream) override { return side_stream_.get(); }
 
   void order_after(Stream waiter, Stream signaller) override {

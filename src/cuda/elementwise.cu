@@ -141,16 +141,26 @@ template <>
 struct Pair<float> {
   using type = float2;
   __device__ static type make(float x, float y) { return make_float2(x, y); }
+  __device__ static float round(float x) { return x; }
 };
 template <>
 struct Pair<__nv_bfloat16> {
   using type = __nv_bfloat162;
   __device__ static type make(float x, float y) { return __floats2bfloat162_rn(x, y); }
+  __device__ static __nv_bfloat16 round(float x) { return __float2bfloat16_rn(x); }
 };
 
 template <typename Destination>
 __device__ __forceinline__ void store_pair(Destination* dst, int64_t index, float x, float y) {
   *reinterpret_cast<typename Pair<Destination>::type*>(dst + index) = Pair<Destination>::make(x, y);
+}
+
+// The tile index of a lower 64 x 64 tile k = I (I + 1) / 2 + J of the grid, I >= J.
+__device__ void lower_tile_of(int64_t k, int64_t& tile_row, int64_t& tile_col) {
+  tile_row = static_cast<int64_t>((sqrt(8.0 * static_cast<double>(k) + 1.0) - 1.0) / 2.0);
+  while (tile_row * (tile_row + 1) / 2 > k) --tile_row;
+  while ((tile_row + 1) * (tile_row + 2) / 2 <= k) ++tile_row;
+  tile_col = k - tile_row * (tile_row + 1) / 2;
 }
 
 template <typename Destination>
@@ -161,12 +171,8 @@ __global__ void __launch_bounds__(kThreadsX* kThreadsY)
   // Matrix blockIdx.y of a batch.
   const float* packed = packed_batch + blockIdx.y * layout.packed_elements;
   Destination* dst = dst_batch + blockIdx.y * layout.n * layout.n;
-  // Lower-triangle tile k = I (I + 1) / 2 + J.
-  const int64_t k = blockIdx.x;
-  int64_t tile_row = static_cast<int64_t>((sqrt(8.0 * static_cast<double>(k) + 1.0) - 1.0) / 2.0);
-  while (tile_row * (tile_row + 1) / 2 > k) --tile_row;
-  while ((tile_row + 1) * (tile_row + 2) / 2 <= k) ++tile_row;
-  const int64_t tile_col = k - tile_row * (tile_row + 1) / 2;
+  int64_t tile_row = 0, tile_col = 0;
+  lower_tile_of(blockIdx.x, tile_row, tile_col);
 
   __shared__ float tile[kTile][kTile + 1];  // [column][row] of the lower tile (I, J)
   __shared__ PackedColumn columns[kTile];
@@ -222,6 +228,132 @@ __global__ void __launch_bounds__(kThreadsX* kThreadsY)
     if (upper_row >= n || upper_col >= n) continue;
     store_pair(dst, upper_col * n + upper_row, tile[row_in_tile][y], tile[row_in_tile + 1][y]);
   }
+}
+
+template <typename T>
+__device__ __forceinline__ float2 load_pair(const T* x, int64_t index) {
+  return make_float2(to_float(x[index]), to_float(x[index + 1]));
+}
+template <>
+__device__ __forceinline__ float2 load_pair(const __nv_bfloat16* x, int64_t index) {
+  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(x + index));
+}
+template <>
+__device__ __forceinline__ float2 load_pair(const float* x, int64_t index) {
+  return *reinterpret_cast<const float2*>(x + index);
+}
+
+// mirror_lower, one 64 x 64 tile pair per thread block as in unpack_symmetric_kernel: the lower
+// tile (I, J) is read into shared memory (entries of a diagonal block computed from the
+// packed products first, when there are some, and written back), then written transposed to
+// tile (J, I), or, on a diagonal tile, to its own upper triangle.
+template <typename T>
+__global__ void __launch_bounds__(kThreadsX* kThreadsY)
+    mirror_lower_kernel(T* matrix_batch, const __grid_constant__ PackedTriangle layout,
+                        const float* products_batch, float scale, const T* addend_batch,
+                        float shift) {
+  const int64_t n = layout.n;
+  T* matrix = matrix_batch + blockIdx.y * n * n;
+  const bool finish = products_batch != nullptr;
+  const float* products = finish ? products_batch + blockIdx.y * layout.packed_elements : nullptr;
+  const T* addend = finish ? addend_batch + blockIdx.y * n * n : nullptr;
+  int64_t tile_row = 0, tile_col = 0;
+  lower_tile_of(blockIdx.x, tile_row, tile_col);
+
+  __shared__ float tile[kTile][kTile + 1];  // [column][row] of the lower tile (I, J)
+  __shared__ PackedColumn columns[kTile];
+  __shared__ int column_blocks[kTile];
+  const int64_t row0 = tile_row * kTile, col0 = tile_col * kTile;
+  const int thread = threadIdx.y * kThreadsX + threadIdx.x;
+  if (thread < kTile && col0 + thread < n) {
+    const int64_t c = col0 + thread;
+    const int j = layout.block_of(c);
+    const int64_t width = layout.starts[j + 1] - layout.starts[j];
+    columns[thread] = {layout.offsets[j] - layout.starts[j] * width, width, c - layout.starts[j]};
+    column_blocks[thread] = j;
+  }
+  __syncthreads();
+
+  const int row_in_tile = 2 * threadIdx.x;
+  const int64_t r = row0 + row_in_tile;  // this thread's rows are r and r + 1, in one block
+  PackedRow row{};
+  int row_block = -1;
+  if (r < n) {
+    row_block = layout.block_of(r);
+    row = {layout.starts[row_block], layout.starts[row_block + 1] - layout.starts[row_block],
+           r - layout.starts[row_block]};
+  }
+  for (int y = threadIdx.y; y < kTile; y += kThreadsY) {
+    const int64_t c = col0 + y;
+    if (r >= n || c >= n || r + 1 < c) continue;  // outside, or above the diagonal
+    const int64_t at = c * n + r;
+    float2 pair;
+    if (finish && row_block == column_blocks[y]) {  // a diagonal block: P = products + ...
+      const float2 product = *reinterpret_cast<const float2*>(products + row.index(columns[y]));
+      const float2 lower = load_pair(addend, at);
+      pair = make_float2(product.x + scale * lower.x + (r == c ? shift : 0.0f),
+                         product.y + scale * lower.y + (r + 1 == c ? shift : 0.0f));
+      if (r >= c) {
+        store_pair(matrix, at, pair.x, pair.y);
+      } else {  // r + 1 == c: the first row is above the diagonal, its mirror comes later
+        matrix[at + 1] = Pair<T>::round(pair.y);
+      }
+      // What was stored, rounded, is what the mirror gets.
+      pair = make_float2(to_float(Pair<T>::round(pair.x)), to_float(Pair<T>::round(pair.y)));
+    } else {
+      pair = load_pair(matrix, at);
+    }
+    if (r >= c) tile[y][row_in_tile] = pair.x;
+    tile[y][row_in_tile + 1] = pair.y;
+  }
+  __syncthreads();
+
+  if (tile_row == tile_col) {  // the upper triangle of this tile: column c, rows r < c
+    for (int y = threadIdx.y; y < kTile; y += kThreadsY) {
+      const int64_t c = col0 + y;
+      if (r >= n || c >= n) continue;
+      if (r < c) matrix[c * n + r] = Pair<T>::round(tile[row_in_tile][y]);
+      if (r + 1 < c) matrix[c * n + r + 1] = Pair<T>::round(tile[row_in_tile + 1][y]);
+    }
+    return;
+  }
+  // Tile (J, I): column row0 + y, rows col0 + 2x and col0 + 2x + 1, which hold the lower
+  // entries (row0 + y, col0 + 2x) and (row0 + y, col0 + 2x + 1).
+  const int64_t upper_row = col0 + row_in_tile;
+  for (int y = threadIdx.y; y < kTile; y += kThreadsY) {
+    const int64_t upper_col = row0 + y;
+    if (upper_row >= n || upper_col >= n) continue;
+    store_pair(matrix, upper_col * n + upper_row, tile[row_in_tile][y], tile[row_in_tile + 1][y]);
+  }
+}
+
+PackedTriangle packed_triangle_of(const SymmetricTiles& tiles) {
+  if (tiles.blocks() > PackedTriangle::kMaxBlocks) {
+    fail(SHARDMUON_ERROR_INTERNAL, "the symmetric passes take at most ", PackedTriangle::kMaxBlocks,
+         " blocks, not ", tiles.blocks());
+  }
+  if (tiles.n % 2 != 0) {
+    fail(SHARDMUON_ERROR_INTERNAL, "the symmetric passes take an even side, not ", tiles.n);
+  }
+  PackedTriangle layout{};
+  layout.n = tiles.n;
+  layout.packed_elements = tiles.packed_elements();
+  layout.blocks = tiles.blocks();
+  for (int j = 0; j <= tiles.blocks(); ++j) {
+    layout.starts[j] = tiles.starts[j];
+    layout.offsets[j] = tiles.offset(j);
+  }
+  return layout;
+}
+
+// One block per lower 64 x 64 tile, the batch along y.
+dim3 lower_tile_grid(int64_t n, int64_t batch) {
+  const int64_t tile_count = (n + kTile - 1) / kTile;
+  const int64_t lower_tiles = tile_count * (tile_count + 1) / 2;
+  if (lower_tiles > int64_t{0x7fffffff})
+    fail(SHARDMUON_ERROR_UNSUPPORTED, "matrix side ", n, " too large");
+  if (batch > 65535) fail(SHARDMUON_ERROR_UNSUPPORTED, "batch ", batch, " above 65535");
+  return dim3(static_cast<unsigned int>(lower_tiles), static_cast<unsigned int>(batch));
 }
 
 void check_launch(const char* kernel) {
@@ -310,30 +442,9 @@ void unpack_symmetric_cuda(const void* packed, shardmuon_dtype src_type,
   if (src_type != SHARDMUON_FLOAT32) {
     fail(SHARDMUON_ERROR_INTERNAL, "unpack_symmetric_cuda takes float32 sources");
   }
-  if (tiles.blocks() > PackedTriangle::kMaxBlocks) {
-    fail(SHARDMUON_ERROR_INTERNAL, "unpack_symmetric_cuda takes at most ",
-         PackedTriangle::kMaxBlocks, " blocks, not ", tiles.blocks());
-  }
-  if (tiles.n == 0) return;
-  if (tiles.n % 2 != 0) {
-    fail(SHARDMUON_ERROR_INTERNAL, "unpack_symmetric_cuda takes an even side, not ", tiles.n);
-  }
-  PackedTriangle layout{};
-  layout.n = tiles.n;
-  layout.packed_elements = tiles.packed_elements();
-  layout.blocks = tiles.blocks();
-  for (int j = 0; j <= tiles.blocks(); ++j) {
-    layout.starts[j] = tiles.starts[j];
-    layout.offsets[j] = tiles.offset(j);
-  }
-  const int64_t tile_count = (tiles.n + kTile - 1) / kTile;
-  const int64_t lower_tiles = tile_count * (tile_count + 1) / 2;
-  if (lower_tiles > int64_t{0x7fffffff}) {
-    fail(SHARDMUON_ERROR_UNSUPPORTED, "matrix side ", tiles.n, " too large");
-  }
-  if (batch > 65535) fail(SHARDMUON_ERROR_UNSUPPORTED, "batch ", batch, " above 65535");
-  if (batch == 0) return;
-  const dim3 grid(static_cast<unsigned int>(lower_tiles), static_cast<unsigned int>(batch));
+  if (tiles.n == 0 || batch == 0) return;
+  const PackedTriangle layout = packed_triangle_of(tiles);
+  const dim3 grid = lower_tile_grid(tiles.n, batch);
   const dim3 block(kThreadsX, kThreadsY);
   const float* source = static_cast<const float*>(packed);
   if (dst_type == SHARDMUON_FLOAT32) {
@@ -344,6 +455,27 @@ void unpack_symmetric_cuda(const void* packed, shardmuon_dtype src_type,
         source, layout, static_cast<__nv_bfloat16*>(dst), static_cast<float>(shift));
   }
   check_launch("unpack_symmetric_kernel");
+}
+
+void mirror_lower_cuda(void* matrix, shardmuon_dtype dtype, const SymmetricTiles& tiles,
+                       int64_t batch, const SymmetricDiagonal& diagonal, cudaStream_t stream) {
+  if (tiles.n == 0 || batch == 0) return;
+  const PackedTriangle layout = packed_triangle_of(tiles);
+  const dim3 grid = lower_tile_grid(tiles.n, batch);
+  const dim3 block(kThreadsX, kThreadsY);
+  const float* products = static_cast<const float*>(diagonal.products);
+  const float scale = static_cast<float>(diagonal.scale),
+              shift = static_cast<float>(diagonal.shift);
+  if (dtype == SHARDMUON_FLOAT32) {
+    mirror_lower_kernel<<<grid, block, 0, stream>>>(
+        static_cast<float*>(matrix), layout, products, scale,
+        static_cast<const float*>(diagonal.addend), shift);
+  } else {
+    mirror_lower_kernel<<<grid, block, 0, stream>>>(
+        static_cast<__nv_bfloat16*>(matrix), layout, products, scale,
+        static_cast<const __nv_bfloat16*>(diagonal.addend), shift);
+  }
+  check_launch("mirror_lower_kernel");
 }
 
 }  // namespace shardmuon
