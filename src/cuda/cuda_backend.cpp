@@ -277,11 +277,10 @@ class CudaBackend final : public Backend {
   int caller_device_ = 0;
   std::unique_ptr<CublasLtGemm> gemm_;
   UniqueEvent last_call_done_;
-  // Blocks of 1024 columns by default: GEMMs of that width still run near the peak rate,
-  // and a matrix of side 8192 then computes 9/16 of the full product.
-  // Tiles of about 512: their products run as one launch, which fills the GPU where 1024-wide
-  // block columns did not (a whole 4096^2 call on an H200: 2.48 ms at 512 against 2.55 at
-  // 1024, docs/BENCHMARKS.md).
+  // Tiles of about 512 columns: a product's tiles run as one launch, which fills the GPU
+  // where 1024-wide block columns did not (a whole 4096^2 call on an H200, measured when the
+  // tiles came in: 2.48 ms at 512 against 2.55 at 1024); a side of 4096 then computes 36/64
+  // of the full product.
   int64_t symmetric_block_target_ = 512;
   int device_sms_ = 0;
   // SMs that GEMMs overlapping a collective leave free for it (cuBLASLt's SM count target).

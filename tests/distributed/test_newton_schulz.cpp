@@ -487,9 +487,10 @@ TEST_F(NewtonSchulzInvariants, ReplicatedIsIdenticalAcrossRanksAndDeterministic)
   }
 }
 
-// The GPU's symmetric products split a Gram side from 2048 up into several 1024-column
-// blocks (the CPU's split every 32 columns, so the other tests cover the CPU path); this side
-// also needs padding (2085 is not a multiple of 8). GPU only: the float64 oracle of this size
+// The GPU's symmetric products split a Gram side into 512-wide blocks, the last wider: the
+// padded side 2088 gives 512, 512, 512 and 552, so every product runs tiles of three shapes
+// (the CPU's split every 32 columns, so the other tests cover the CPU path); this side also
+// needs padding (2085 is not a multiple of 8). GPU only: the float64 oracle of this size
 // takes seconds, the CPU backend's run minutes.
 TEST_F(NewtonSchulzInvariants, MultiBlockProductsOnTheGpuMatchTheOracle) {
   if (!Harness::get().on_gpu()) GTEST_SKIP() << "the GPU's block width; the CPU tests split at 32";
