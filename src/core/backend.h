@@ -119,13 +119,13 @@ struct CommitPass {
   DeviceLearningRate device_lr;
 };
 
-// What mirror_lower adds to the diagonal blocks first (none when products is null): each
-// lower entry (r, c) of a diagonal block becomes products[packed index] + scale * addend[r, c]
-// (+ shift where r == c), in the accumulate dtype, rounded once to the matrix's dtype.
-// products holds SymmetricTiles' diagonal tiles (accumulate dtype, packed layout); addend is
-// a full matrix of the storage dtype.
+// What mirror_lower sets on the diagonal first (nothing when squares is null): entry (i, i)
+// becomes shift + scale * addend[i, i] + square_scale * squares[i], summed in the accumulate
+// dtype and rounded once to the matrix's dtype. squares holds one accumulate-dtype value per
+// column (column_squares); addend is a full matrix of the storage dtype.
 struct SymmetricDiagonal {
-  const void* products = nullptr;
+  const void* squares = nullptr;
+  double square_scale = 0.0;
   double scale = 0.0;
   const void* addend = nullptr;
   double shift = 0.0;
@@ -207,11 +207,15 @@ class Backend {
                                 const SymmetricTiles& tiles, int64_t batch, void* dst,
                                 shardmuon_dtype dst_type, double shift, Stream stream) = 0;
   // The n x n matrix (column-major, dtype) becomes exactly symmetric: its upper triangle is
-  // overwritten with its lower one, after `diagonal` (if given) has set the lower triangle of
-  // its diagonal blocks. For a batch, matrix b is at b * n * n (and its packed diagonal
-  // tiles at b * tiles.packed_elements()).
-  virtual void mirror_lower(void* matrix, shardmuon_dtype dtype, const SymmetricTiles& tiles,
-                            int64_t batch, const SymmetricDiagonal& diagonal, Stream stream) = 0;
+  // overwritten with its lower one, after `diagonal` (if given) has set its diagonal. For a
+  // batch, matrix b is at b * n * n (its squares at b * n).
+  virtual void mirror_lower(void* matrix, shardmuon_dtype dtype, int64_t n, int64_t batch,
+                            const SymmetricDiagonal& diagonal, Stream stream) = 0;
+  // squares[i] = the sum of squares of column i of the n x n matrix (column-major, dtype), in
+  // the accumulate dtype, summed in a fixed order (the same bits on every call). For a batch,
+  // matrix b is at b * n * n, its squares at b * n.
+  virtual void column_squares(const void* matrix, shardmuon_dtype dtype, int64_t n, int64_t batch,
+                              void* squares, Stream stream) = 0;
   // A stream for communication that overlaps computation on `stream` (the CUDA backend's
   // own, created once; the CPU backend, which computes before returning, gives `stream`).
   virtual Stream side_stream(Stream stream) = 0;

@@ -65,11 +65,11 @@ struct WideBlock {
 struct IterationBuffers {
   WideBlock padded;  // what the products run on (WideBlock::padded)
   SymmetricTiles tiles;
-  void* x[2];         // ping-pong iterates, storage dtype
-  void* gram_packed;  // A's lower block columns, accumulate dtype (all-reduced)
-  void* gram_full;    // A, storage dtype, the operand of A A
-  void* poly_packed;  // P's lower block columns, accumulate dtype
-  void* poly_full;    // P, storage dtype, the operand of P X
+  void* x[2];            // ping-pong iterates, storage dtype
+  void* gram_packed;     // A's lower block columns, accumulate dtype (all-reduced)
+  void* gram_full;       // A, storage dtype, the operand of A A
+  void* column_squares;  // |A_:i|^2 for P's diagonal, accumulate dtype, s per matrix
+  void* poly_full;       // P, storage dtype, the operand of P X
   // (e) only: the accumulated polynomial M, a product's full result, and a packed result.
   void* product_full;
   void* other_full;
@@ -83,7 +83,7 @@ struct IterationBuffers {
 struct IterationSlots {
   WideBlock padded;
   SymmetricTiles tiles;
-  size_t x0, x1, gram_packed, gram_full, poly_packed, poly_full, sum_of_squares, reduce_scratch;
+  size_t x0, x1, gram_packed, gram_full, column_squares, poly_full, sum_of_squares, reduce_scratch;
   size_t product_full, other_full, work_packed;
   size_t reduce_scratch_bytes;
   int64_t batch = 1;
@@ -106,7 +106,7 @@ struct IterationSlots {
     slots.x1 = carver.reserve(slots.padded.elements() * batch * storage);
     slots.gram_packed = carver.reserve(packed * accumulate);
     slots.gram_full = carver.reserve(full * storage);
-    slots.poly_packed = carver.reserve(packed * accumulate);
+    slots.column_squares = carver.reserve(static_cast<size_t>(s * batch) * accumulate);
     slots.poly_full = carver.reserve(full * storage);
     slots.product_full = carver.reserve(gram_iteration ? full * storage : 0);
     slots.other_full = carver.reserve(gram_iteration ? full * storage : 0);
@@ -125,7 +125,7 @@ struct IterationSlots {
     buffers.x[1] = carver.pointer(x1);
     buffers.gram_packed = carver.pointer(gram_packed);
     buffers.gram_full = carver.pointer(gram_full);
-    buffers.poly_packed = carver.pointer(poly_packed);
+    buffers.column_squares = carver.pointer(column_squares);
     buffers.poly_full = carver.pointer(poly_full);
     buffers.product_full = carver.pointer(product_full);
     buffers.other_full = carver.pointer(other_full);
@@ -340,16 +340,13 @@ class PiecewiseExchange {
   Stream side_;
 };
 
-// Which lower tiles a tile_products call computes.
-enum class Tiles { kAll, kDiagonal, kBelowDiagonal };
-
-// The products of the tiles (i, j), i >= j, of block columns [first, last) of `tiles` (those
-// that `which` selects): one launch per tile shape (all tiles share one but those of the last
+// The products of the tiles (i, j), i >= j, of block columns [first, last) of `tiles`: one
+// launch per tile shape (all tiles share one but those of the last
 // block). `call` holds what every tile's product shares, its leading dimensions of C and D
 // included when the tiles lie in a full matrix; with ldd == 0 they are packed tiles, whose
 // leading dimension is their row count. operands(i, j) gives tile (i, j)'s pointers.
 template <typename Operands>
-void tile_products(Backend& backend, const SymmetricTiles& tiles, int first, int last, Tiles which,
+void tile_products(Backend& backend, const SymmetricTiles& tiles, int first, int last,
                    GemmCall call, Operands&& operands, Stream stream) {
   struct Shape {
     int64_t m, n;
@@ -358,9 +355,6 @@ void tile_products(Backend& backend, const SymmetricTiles& tiles, int first, int
   std::vector<Shape> shapes;
   for (int j = first; j < last; ++j) {
     for (int i = j; i < tiles.blocks(); ++i) {
-      if ((which == Tiles::kDiagonal && i != j) || (which == Tiles::kBelowDiagonal && i == j)) {
-        continue;
-      }
       const int64_t m = tiles.width(i), n = tiles.width(j);
       auto shape = std::find_if(shapes.begin(), shapes.end(),
                                 [&](const Shape& x) { return x.m == m && x.n == n; });
@@ -430,7 +424,7 @@ void local_gram_product(Backend& backend, shardmuon_dtype dtype, const WideBlock
   call.stride_c = call.stride_d = s * s;
   const GramOperand operand = GramOperand::of(block, 0, call);
   tile_products(
-      backend, tiles, 0, tiles.blocks(), Tiles::kAll, call,
+      backend, tiles, 0, tiles.blocks(), call,
       [&](int i, int j) {
         GemmOperands tile;
         tile.a = byte_offset(x, operand.row_offset(tiles.start(i)) * element);
@@ -440,7 +434,7 @@ void local_gram_product(Backend& backend, shardmuon_dtype dtype, const WideBlock
         return tile;
       },
       stream);
-  backend.mirror_lower(buffers.gram_full, dtype, tiles, buffers.batch, SymmetricDiagonal{}, stream);
+  backend.mirror_lower(buffers.gram_full, dtype, s, buffers.batch, SymmetricDiagonal{}, stream);
 }
 
 // A = X X^T over this block's columns of X (the partial Gram of a long-side block), lower
@@ -493,7 +487,7 @@ void gram_product(Backend& backend, Communicator* comm, shardmuon_dtype dtype,
         const GramOperand operand = GramOperand::of(block, range.first, call);
         void* packed = buffers.gram_packed;
         tile_products(
-            backend, tiles, first, last, Tiles::kAll, call,
+            backend, tiles, first, last, call,
             [&](int i, int j) {
               GemmOperands tile;
               tile.a = byte_offset(x, operand.row_offset(tiles.start(i)) * element);
@@ -539,7 +533,7 @@ void symmetric_product(Backend& backend, shardmuon_dtype dtype, const SymmetricT
   call.stride_a = call.stride_b = s * s;
   call.stride_c = call.stride_d = tiles.packed_elements();
   tile_products(
-      backend, tiles, 0, tiles.blocks(), Tiles::kAll, call,
+      backend, tiles, 0, tiles.blocks(), call,
       [&](int i, int j) {  // A[rows of block i, :] B[:, columns of block j]
         GemmOperands tile;
         const int64_t packed_offset = tiles.tile_offset(i, j) * accumulate_element;
@@ -552,10 +546,11 @@ void symmetric_product(Backend& backend, shardmuon_dtype dtype, const SymmetricT
       stream);
 }
 
-// P = a I + b A + c A A from A (storage dtype, full): the tiles below the diagonal blocks are
-// c A A + b A rounded once where they lie in P (the GEMM adds b A, read from A, before
-// rounding); the diagonal tiles are c A A in the accumulate dtype, and the pass that mirrors P's
-// lower triangle adds b A + a I to them and rounds them once.
+// P = a I + b A + c A A from A (storage dtype, full, exactly symmetric): every lower tile is
+// c A A + b A, rounded once where it lies in P (the GEMM's beta reads A), all in one launch;
+// the pass that mirrors P's lower triangle then sets the diagonal to a + b A_ii + c |A_:i|^2,
+// from A's column squares summed in the accumulate dtype, rounded once: a is added before
+// rounding.
 //
 // Folding a I into P before rounding (rather than computing a X + B X) matters for bf16:
 // where a singular value is near 1, a + b s^2 + c s^4 is far smaller than its terms (the
@@ -563,8 +558,7 @@ void symmetric_product(Backend& backend, shardmuon_dtype dtype, const SymmetricT
 // on its own would lose up to 35x more accuracy than rounding P, whose size is the result's.
 void gram_polynomial(Backend& backend, shardmuon_dtype dtype, const Coefficients& coefficients,
                      const IterationBuffers& buffers, Stream stream) {
-  const shardmuon_dtype accumulate = accumulate_dtype(dtype);
-  const size_t element = element_size(dtype), accumulate_element = element_size(accumulate);
+  const size_t element = element_size(dtype);
   const SymmetricTiles& tiles = buffers.tiles;
   const int64_t s = tiles.n;
   const void* a = buffers.gram_full;
@@ -578,13 +572,12 @@ void gram_polynomial(Backend& backend, shardmuon_dtype dtype, const Coefficients
   // A[rows of block i, :] A[:, columns of block j]
   auto rows = [&](int i) { return byte_offset(a, tiles.start(i) * element); };
   auto columns = [&](int j) { return byte_offset(a, tiles.start(j) * s * element); };
-  GemmCall below = call;
-  below.beta = coefficients.b;
-  below.cd_type = dtype;
-  below.ldc = below.ldd = s;
-  below.stride_c = below.stride_d = s * s;
+  call.beta = coefficients.b;
+  call.cd_type = dtype;
+  call.ldc = call.ldd = s;
+  call.stride_c = call.stride_d = s * s;
   tile_products(
-      backend, tiles, 0, tiles.blocks(), Tiles::kBelowDiagonal, below,
+      backend, tiles, 0, tiles.blocks(), call,
       [&](int i, int j) {
         GemmOperands tile;
         const int64_t offset = (tiles.start(i) + tiles.start(j) * s) * element;
@@ -595,26 +588,14 @@ void gram_polynomial(Backend& backend, shardmuon_dtype dtype, const Coefficients
         return tile;
       },
       stream);
-  GemmCall diagonal = call;
-  diagonal.cd_type = accumulate;
-  diagonal.stride_c = diagonal.stride_d = tiles.packed_elements();
-  tile_products(
-      backend, tiles, 0, tiles.blocks(), Tiles::kDiagonal, diagonal,
-      [&](int i, int j) {
-        GemmOperands tile;
-        tile.a = rows(i);
-        tile.b = columns(j);
-        tile.d = byte_offset(buffers.poly_packed, tiles.tile_offset(i, j) * accumulate_element);
-        tile.c = tile.d;
-        return tile;
-      },
-      stream);
+  backend.column_squares(a, dtype, s, buffers.batch, buffers.column_squares, stream);
   SymmetricDiagonal finish;
-  finish.products = buffers.poly_packed;
+  finish.squares = buffers.column_squares;
+  finish.square_scale = coefficients.c;
   finish.scale = coefficients.b;
   finish.addend = a;
   finish.shift = coefficients.a;
-  backend.mirror_lower(buffers.poly_full, dtype, tiles, buffers.batch, finish, stream);
+  backend.mirror_lower(buffers.poly_full, dtype, s, buffers.batch, finish, stream);
 }
 
 // x_next = P X for this block's columns of X (P is symmetric, so in the transposed view

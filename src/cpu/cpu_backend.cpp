@@ -266,32 +266,43 @@ class CpuBackend final : public Backend {
     }
   }
 
-  void mirror_lower(void* matrix, shardmuon_dtype dtype, const SymmetricTiles& tiles, int64_t batch,
+  void mirror_lower(void* matrix, shardmuon_dtype dtype, int64_t n, int64_t batch,
                     const SymmetricDiagonal& diagonal, Stream) override {
-    const int64_t n = tiles.n;
     const shardmuon_dtype accumulate = accumulate_dtype(dtype);
     const bool wide = dtype == SHARDMUON_FLOAT64;  // else float32 arithmetic, as on CUDA
     for (int64_t m = 0; m < batch; ++m) {
-      const int64_t base = m * n * n, packed_base = m * tiles.packed_elements();
+      const int64_t base = m * n * n;
       for (int64_t c = 0; c < n; ++c) {
-        for (int64_t r = c; r < n; ++r) {
-          double value = load_element(matrix, dtype, base + c * n + r);
-          if (diagonal.products != nullptr && tiles.block_of(r) == tiles.block_of(c)) {
-            const double product =
-                load_element(diagonal.products, accumulate, packed_base + tiles.packed_index(r, c));
-            const double addend = load_element(diagonal.addend, dtype, base + c * n + r);
-            const double shift = r == c ? diagonal.shift : 0.0;
-            if (wide) {
-              value = product + diagonal.scale * addend + shift;
-            } else {
-              const float sum = static_cast<float>(product) +
-                                static_cast<float>(diagonal.scale) * static_cast<float>(addend);
-              value = static_cast<double>(sum + static_cast<float>(shift));
-            }
-            store_element(matrix, dtype, base + c * n + r, value);
-          }
-          store_element(matrix, dtype, base + r * n + c, value);
+        if (diagonal.squares != nullptr) {
+          const int64_t at = base + c * n + c;
+          const double square = load_element(diagonal.squares, accumulate, m * n + c);
+          const double addend = load_element(diagonal.addend, dtype, at);
+          const double value =
+              wide ? diagonal.shift + diagonal.scale * addend + diagonal.square_scale * square
+                   : static_cast<double>(
+                         static_cast<float>(diagonal.shift) +
+                         static_cast<float>(diagonal.scale) * static_cast<float>(addend) +
+                         static_cast<float>(diagonal.square_scale) * static_cast<float>(square));
+          store_element(matrix, dtype, at, value);
         }
+        for (int64_t r = c + 1; r < n; ++r) {
+          store_element(matrix, dtype, base + r * n + c,
+                        load_element(matrix, dtype, base + c * n + r));
+        }
+      }
+    }
+  }
+
+  void column_squares(const void* matrix, shardmuon_dtype dtype, int64_t n, int64_t batch,
+                      void* squares, Stream) override {
+    for (int64_t m = 0; m < batch; ++m) {
+      for (int64_t c = 0; c < n; ++c) {
+        double sum = 0.0;
+        for (int64_t r = 0; r < n; ++r) {
+          const double value = load_element(matrix, dtype, m * n * n + c * n + r);
+          sum += value * value;
+        }
+        store_element(squares, accumulate_dtype(dtype), m * n + c, sum);
       }
     }
   }

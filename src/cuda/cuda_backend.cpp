@@ -249,9 +249,14 @@ class CudaBackend final : public Backend {
     unpack_symmetric_cuda(packed, src_type, tiles, batch, dst, dst_type, shift, as_cuda(stream));
   }
 
-  void mirror_lower(void* matrix, shardmuon_dtype dtype, const SymmetricTiles& tiles, int64_t batch,
+  void mirror_lower(void* matrix, shardmuon_dtype dtype, int64_t n, int64_t batch,
                     const SymmetricDiagonal& diagonal, Stream stream) override {
-    mirror_lower_cuda(matrix, dtype, tiles, batch, diagonal, as_cuda(stream));
+    mirror_lower_cuda(matrix, dtype, n, batch, diagonal, as_cuda(stream));
+  }
+
+  void column_squares(const void* matrix, shardmuon_dtype dtype, int64_t n, int64_t batch,
+                      void* squares, Stream stream) override {
+    column_squares_cuda(matrix, dtype, n, batch, squares, as_cuda(stream));
   }
 
   Stream side_stream(Stream) override { return side_stream_.get(); }

@@ -244,66 +244,26 @@ __device__ __forceinline__ float2 load_pair(const float* x, int64_t index) {
 }
 
 // mirror_lower, one 64 x 64 tile pair per thread block as in unpack_symmetric_kernel: the lower
-// tile (I, J) is read into shared memory (entries of a diagonal block computed from the
-// packed products first, when there are some, and written back), then written transposed to
-// tile (J, I), or, on a diagonal tile, to its own upper triangle.
+// tile (I, J) is read into shared memory, then written transposed to tile (J, I), or, on a
+// diagonal tile, to its own upper triangle, whose diagonal is set from the column squares
+// when there are some.
 template <typename T>
 __global__ void __launch_bounds__(kThreadsX* kThreadsY)
-    mirror_lower_kernel(T* matrix_batch, const __grid_constant__ PackedTriangle layout,
-                        const float* products_batch, float scale, const T* addend_batch,
-                        float shift) {
-  const int64_t n = layout.n;
+    mirror_lower_kernel(T* matrix_batch, int64_t n, const float* squares_batch, float square_scale,
+                        float scale, const T* addend_batch, float shift) {
   T* matrix = matrix_batch + blockIdx.y * n * n;
-  const bool finish = products_batch != nullptr;
-  const float* products = finish ? products_batch + blockIdx.y * layout.packed_elements : nullptr;
-  const T* addend = finish ? addend_batch + blockIdx.y * n * n : nullptr;
   int64_t tile_row = 0, tile_col = 0;
   lower_tile_of(blockIdx.x, tile_row, tile_col);
 
   __shared__ float tile[kTile][kTile + 1];  // [column][row] of the lower tile (I, J)
-  __shared__ PackedColumn columns[kTile];
-  __shared__ int column_blocks[kTile];
   const int64_t row0 = tile_row * kTile, col0 = tile_col * kTile;
-  const int thread = threadIdx.y * kThreadsX + threadIdx.x;
-  if (thread < kTile && col0 + thread < n) {
-    const int64_t c = col0 + thread;
-    const int j = layout.block_of(c);
-    const int64_t width = layout.starts[j + 1] - layout.starts[j];
-    columns[thread] = {layout.offsets[j] - layout.starts[j] * width, width, c - layout.starts[j]};
-    column_blocks[thread] = j;
-  }
-  __syncthreads();
-
   const int row_in_tile = 2 * threadIdx.x;
-  const int64_t r = row0 + row_in_tile;  // this thread's rows are r and r + 1, in one block
-  PackedRow row{};
-  int row_block = -1;
-  if (r < n) {
-    row_block = layout.block_of(r);
-    row = {layout.starts[row_block], layout.starts[row_block + 1] - layout.starts[row_block],
-           r - layout.starts[row_block]};
-  }
+  const int64_t r = row0 + row_in_tile;  // this thread's rows are r and r + 1 (n is even)
   for (int y = threadIdx.y; y < kTile; y += kThreadsY) {
     const int64_t c = col0 + y;
     if (r >= n || c >= n || r + 1 < c) continue;  // outside, or above the diagonal
-    const int64_t at = c * n + r;
-    float2 pair;
-    if (finish && row_block == column_blocks[y]) {  // a diagonal block: P = products + ...
-      const float2 product = *reinterpret_cast<const float2*>(products + row.index(columns[y]));
-      const float2 lower = load_pair(addend, at);
-      pair = make_float2(product.x + scale * lower.x + (r == c ? shift : 0.0f),
-                         product.y + scale * lower.y + (r + 1 == c ? shift : 0.0f));
-      if (r >= c) {
-        store_pair(matrix, at, pair.x, pair.y);
-      } else {  // r + 1 == c: the first row is above the diagonal, its mirror comes later
-        matrix[at + 1] = Pair<T>::round(pair.y);
-      }
-      // What was stored, rounded, is what the mirror gets.
-      pair = make_float2(to_float(Pair<T>::round(pair.x)), to_float(Pair<T>::round(pair.y)));
-    } else {
-      pair = load_pair(matrix, at);
-    }
-    if (r >= c) tile[y][row_in_tile] = pair.x;
+    const float2 pair = load_pair(matrix, c * n + r);
+    tile[y][row_in_tile] = pair.x;  // above the diagonal where r + 1 == c: never read
     tile[y][row_in_tile + 1] = pair.y;
   }
   __syncthreads();
@@ -315,6 +275,13 @@ __global__ void __launch_bounds__(kThreadsX* kThreadsY)
       if (r < c) matrix[c * n + r] = Pair<T>::round(tile[row_in_tile][y]);
       if (r + 1 < c) matrix[c * n + r + 1] = Pair<T>::round(tile[row_in_tile + 1][y]);
     }
+    const int thread = threadIdx.y * kThreadsX + threadIdx.x;
+    const int64_t c = col0 + thread;
+    if (squares_batch != nullptr && thread < kTile && c < n) {
+      const float square = squares_batch[blockIdx.y * n + c];
+      const float addend = to_float(addend_batch[blockIdx.y * n * n + c * n + c]);
+      matrix[c * n + c] = Pair<T>::round(shift + scale * addend + square_scale * square);
+    }
     return;
   }
   // Tile (J, I): column row0 + y, rows col0 + 2x and col0 + 2x + 1, which hold the lower
@@ -325,6 +292,23 @@ __global__ void __launch_bounds__(kThreadsX* kThreadsY)
     if (upper_row >= n || upper_col >= n) continue;
     store_pair(matrix, upper_col * n + upper_row, tile[row_in_tile][y], tile[row_in_tile + 1][y]);
   }
+}
+
+// squares[c] = sum over rows of column c's squares: one block per column (and matrix of the
+// batch), a fixed split over threads and a fixed reduction tree, so the same bits every call.
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    column_squares_kernel(const T* matrix_batch, int64_t n, float* squares_batch) {
+  using Reduce = cub::BlockReduce<float, kThreads>;
+  __shared__ typename Reduce::TempStorage storage;
+  const T* column = matrix_batch + blockIdx.y * n * n + blockIdx.x * n;
+  float partial = 0.0f;
+  for (int64_t r = 2 * threadIdx.x; r < n; r += 2 * kThreads) {  // n is even
+    const float2 pair = load_pair(column, r);
+    partial += pair.x * pair.x + pair.y * pair.y;
+  }
+  const float sum = Reduce(storage).Sum(partial);
+  if (threadIdx.x == 0) squares_batch[blockIdx.y * n + blockIdx.x] = sum;
 }
 
 PackedTriangle packed_triangle_of(const SymmetricTiles& tiles) {
@@ -457,25 +441,43 @@ void unpack_symmetric_cuda(const void* packed, shardmuon_dtype src_type,
   check_launch("unpack_symmetric_kernel");
 }
 
-void mirror_lower_cuda(void* matrix, shardmuon_dtype dtype, const SymmetricTiles& tiles,
-                       int64_t batch, const SymmetricDiagonal& diagonal, cudaStream_t stream) {
-  if (tiles.n == 0 || batch == 0) return;
-  const PackedTriangle layout = packed_triangle_of(tiles);
-  const dim3 grid = lower_tile_grid(tiles.n, batch);
+void mirror_lower_cuda(void* matrix, shardmuon_dtype dtype, int64_t n, int64_t batch,
+                       const SymmetricDiagonal& diagonal, cudaStream_t stream) {
+  if (n == 0 || batch == 0) return;
+  if (n % 2 != 0) fail(SHARDMUON_ERROR_INTERNAL, "mirror_lower_cuda takes an even side, not ", n);
+  const dim3 grid = lower_tile_grid(n, batch);
   const dim3 block(kThreadsX, kThreadsY);
-  const float* products = static_cast<const float*>(diagonal.products);
-  const float scale = static_cast<float>(diagonal.scale),
+  const float* squares = static_cast<const float*>(diagonal.squares);
+  const float square_scale = static_cast<float>(diagonal.square_scale),
+              scale = static_cast<float>(diagonal.scale),
               shift = static_cast<float>(diagonal.shift);
   if (dtype == SHARDMUON_FLOAT32) {
     mirror_lower_kernel<<<grid, block, 0, stream>>>(
-        static_cast<float*>(matrix), layout, products, scale,
+        static_cast<float*>(matrix), n, squares, square_scale, scale,
         static_cast<const float*>(diagonal.addend), shift);
   } else {
     mirror_lower_kernel<<<grid, block, 0, stream>>>(
-        static_cast<__nv_bfloat16*>(matrix), layout, products, scale,
+        static_cast<__nv_bfloat16*>(matrix), n, squares, square_scale, scale,
         static_cast<const __nv_bfloat16*>(diagonal.addend), shift);
   }
   check_launch("mirror_lower_kernel");
+}
+
+void column_squares_cuda(const void* matrix, shardmuon_dtype dtype, int64_t n, int64_t batch,
+                         void* squares, cudaStream_t stream) {
+  if (n == 0 || batch == 0) return;
+  if (n % 2 != 0) fail(SHARDMUON_ERROR_INTERNAL, "column_squares_cuda takes an even side, not ", n);
+  if (n > 0x7fffffff) fail(SHARDMUON_ERROR_UNSUPPORTED, "matrix side ", n, " too large");
+  if (batch > 65535) fail(SHARDMUON_ERROR_UNSUPPORTED, "batch ", batch, " above 65535");
+  const dim3 grid(static_cast<unsigned int>(n), static_cast<unsigned int>(batch));
+  float* out = static_cast<float*>(squares);
+  if (dtype == SHARDMUON_FLOAT32) {
+    column_squares_kernel<<<grid, kThreads, 0, stream>>>(static_cast<const float*>(matrix), n, out);
+  } else {
+    column_squares_kernel<<<grid, kThreads, 0, stream>>>(static_cast<const __nv_bfloat16*>(matrix),
+                                                         n, out);
+  }
+  check_launch("column_squares_kernel");
 }
 
 }  // namespace shardmuon

@@ -24,8 +24,11 @@ void unpack_symmetric_cuda(const void* packed, shardmuon_dtype src_type,
                            const SymmetricTiles& tiles, int64_t batch, void* dst,
                            shardmuon_dtype dst_type, double shift, cudaStream_t stream);
 
-void mirror_lower_cuda(void* matrix, shardmuon_dtype dtype, const SymmetricTiles& tiles,
-                       int64_t batch, const SymmetricDiagonal& diagonal, cudaStream_t stream);
+void mirror_lower_cuda(void* matrix, shardmuon_dtype dtype, int64_t n, int64_t batch,
+                       const SymmetricDiagonal& diagonal, cudaStream_t stream);
+
+void column_squares_cuda(const void* matrix, shardmuon_dtype dtype, int64_t n, int64_t batch,
+                         void* squares, cudaStream_t stream);
 
 // The pointer arrays of a cuBLASLt pointer-array batch: product p's matrix m (of a strided
 // batch of `batch`) is entry p * batch + m, at its pointer plus m times the stride (bytes).
