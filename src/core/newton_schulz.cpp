@@ -565,24 +565,18 @@ void gram_polynomial(Backend& backend, shardmuon_dtype dtype, const Coefficients
   GemmCall call;
   call.k = s;
   call.alpha = coefficients.c;
-  call.lda = call.ldb = s;
-  call.ab_type = dtype;
-  call.batch = buffers.batch;
-  call.stride_a = call.stride_b = s * s;
-  // A[rows of block i, :] A[:, columns of block j]
-  auto rows = [&](int i) { return byte_offset(a, tiles.start(i) * element); };
-  auto columns = [&](int j) { return byte_offset(a, tiles.start(j) * s * element); };
   call.beta = coefficients.b;
-  call.cd_type = dtype;
-  call.ldc = call.ldd = s;
-  call.stride_c = call.stride_d = s * s;
+  call.lda = call.ldb = call.ldc = call.ldd = s;
+  call.ab_type = call.cd_type = dtype;
+  call.batch = buffers.batch;
+  call.stride_a = call.stride_b = call.stride_c = call.stride_d = s * s;
   tile_products(
       backend, tiles, 0, tiles.blocks(), call,
-      [&](int i, int j) {
+      [&](int i, int j) {  // c A[rows of block i, :] A[:, columns of block j] + b A[i, j]
         GemmOperands tile;
         const int64_t offset = (tiles.start(i) + tiles.start(j) * s) * element;
-        tile.a = rows(i);
-        tile.b = columns(j);
+        tile.a = byte_offset(a, tiles.start(i) * element);
+        tile.b = byte_offset(a, tiles.start(j) * s * element);
         tile.c = byte_offset(a, offset);
         tile.d = byte_offset(buffers.poly_full, offset);
         return tile;
