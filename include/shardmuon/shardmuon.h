@@ -155,8 +155,9 @@ typedef enum shardmuon_ns_algorithm {
    * matrix R = X X^T (Q_k = a_k I + b_k R_k + c_k R_k^2, R_{k+1} = Q_k R_k Q_k, M = Q_k ... Q_0)
    * and X <- M X is applied once at the end, so the long side is multiplied twice instead of
    * twice per iteration, and a sharded matrix needs one Gram all-reduce instead of one per
-   * iteration. Exact in exact arithmetic; in bfloat16 it restarts from X every 2 iterations
-   * (R's rounding errors compound otherwise). Opt-in: AUTO does not choose it. */
+   * iteration. Exact in exact arithmetic; in bfloat16 and float32 it restarts from X every 2
+   * iterations (M = Q_k ... Q_0 amplifies its rounding errors otherwise). Opt-in: AUTO does
+   * not choose it. */
   SHARDMUON_NS_GRAM_NEWTON_SCHULZ = 4,
   /* Reported by shardmuon_ns_plan only, never requested: */
   SHARDMUON_NS_LOCAL = 100, /* nothing to communicate: replicated, or a group of one */
