@@ -66,7 +66,7 @@ struct IterationBuffers {
   WideBlock padded;  // what the products run on (WideBlock::padded)
   SymmetricTiles tiles;
   void* x[2];            // ping-pong iterates, storage dtype
-  void* gram_packed;     // A's lower block columns, accumulate dtype (all-reduced)
+  void* gram_packed;     // A's lower tiles, accumulate dtype (all-reduced; (e)'s products)
   void* gram_full;       // A, storage dtype, the operand of A A
   void* column_squares;  // |A_:i|^2 for P's diagonal, accumulate dtype, s per matrix
   void* poly_full;       // P, storage dtype, the operand of P X
@@ -92,7 +92,7 @@ struct IterationSlots {
   // shard's, before it moves).
   static IterationSlots reserve(WorkspaceCarver& carver, const Backend& backend,
                                 shardmuon_dtype dtype, const WideBlock& block, bool gram_iteration,
-                                int64_t batch, int64_t norm_elements) {
+                                bool summed_gram, int64_t batch, int64_t norm_elements) {
     const size_t storage = element_size(dtype);
     const size_t accumulate = element_size(accumulate_dtype(dtype));
     IterationSlots slots;
@@ -104,7 +104,9 @@ struct IterationSlots {
     const size_t full = static_cast<size_t>(s * s * batch);
     slots.x0 = carver.reserve(slots.padded.elements() * batch * storage);
     slots.x1 = carver.reserve(slots.padded.elements() * batch * storage);
-    slots.gram_packed = carver.reserve(packed * accumulate);
+    // The packed Gram (accumulate dtype): summed over a group, or (e)'s products. A Gram on
+    // one rank is written straight into gram_full, so none for the standard iteration there.
+    slots.gram_packed = carver.reserve(summed_gram || gram_iteration ? packed * accumulate : 0);
     slots.gram_full = carver.reserve(full * storage);
     slots.column_squares = carver.reserve(static_cast<size_t>(s * batch) * accumulate);
     slots.poly_full = carver.reserve(full * storage);
@@ -845,9 +847,10 @@ struct Scratch {
     const bool moves =
         problem.plan.algorithm == NsPlan::Algorithm::kGramAllReduce && problem.plan.redistributes;
     const int64_t norm_elements = moves ? layout.local_elements(rank) : scratch.block.elements();
-    scratch.iteration =
-        IterationSlots::reserve(scratch.carver, backend, problem.dtype, scratch.block,
-                                problem.plan.gram_iteration, problem.batch, norm_elements);
+    const bool summed_gram = problem.plan.algorithm == NsPlan::Algorithm::kGramAllReduce;
+    scratch.iteration = IterationSlots::reserve(scratch.carver, backend, problem.dtype,
+                                                scratch.block, problem.plan.gram_iteration,
+                                                summed_gram, problem.batch, norm_elements);
     return scratch;
   }
 
