@@ -343,10 +343,10 @@ class PiecewiseExchange {
 };
 
 // The products of the tiles (i, j), i >= j, of block columns [first, last) of `tiles`: one
-// launch per tile shape (all tiles share one but those of the last
-// block). `call` holds what every tile's product shares, its leading dimensions of C and D
-// included when the tiles lie in a full matrix; with ldd == 0 they are packed tiles, whose
-// leading dimension is their row count. operands(i, j) gives tile (i, j)'s pointers.
+// launch per tile shape (all tiles share one but those of the last block). `call` holds what every
+// tile's product shares, its leading dimensions of C and D included when the tiles lie in a full
+// matrix; with ldd == 0 they are packed tiles, whose leading dimension is their row count.
+// operands(i, j) gives tile (i, j)'s pointers.
 template <typename Operands>
 void tile_products(Backend& backend, const SymmetricTiles& tiles, int first, int last,
                    GemmCall call, Operands&& operands, Stream stream) {
@@ -439,30 +439,24 @@ void local_gram_product(Backend& backend, shardmuon_dtype dtype, const WideBlock
   backend.mirror_lower(buffers.gram_full, dtype, s, buffers.batch, SymmetricDiagonal{}, stream);
 }
 
-// A = X X^T over this block's columns of X (the partial Gram of a long-side block), lower
-// tiles only, then unpacked for the next product. With comm, the block columns are summed
-// over the group kGramColumnsPerLaunch at a time, each group as soon as its tiles are
-// computed, on the backend's side stream, so that one group's reduction overlaps the
-// products of the next; without, every tile is in one launch. With arrivals, X arrives piece
-// by piece of the long side and each piece's products (summed into the tiles) run while the
-// next piece travels.
-void gram_product(Backend& backend, Communicator* comm, shardmuon_dtype dtype,
-                  const WideBlock& block, const void* x, const IterationBuffers& buffers,
-                  Stream stream, PiecewiseExchange* arrivals = nullptr) {
+// A = X X^T summed over the group, from this rank's block of X's columns (the partial Gram
+// of a long-side block): lower tiles only, packed in the accumulate dtype, then unpacked for
+// the next product. The block columns are summed kGramColumnsPerLaunch at a time, each group
+// as soon as its tiles are computed, on the backend's side stream, so that one group's
+// reduction overlaps the products of the next. With arrivals, X arrives piece by piece of
+// the long side and each piece's products (summed into the tiles) run while the next piece
+// travels.
+void summed_gram_product(Backend& backend, Communicator& comm, shardmuon_dtype dtype,
+                         const WideBlock& block, const void* x, const IterationBuffers& buffers,
+                         Stream stream, PiecewiseExchange* arrivals) {
   const shardmuon_dtype accumulate = accumulate_dtype(dtype);
   const size_t element = element_size(dtype), accumulate_element = element_size(accumulate);
   const SymmetricTiles& tiles = buffers.tiles;
-  if (comm == nullptr && arrivals == nullptr) {
-    local_gram_product(backend, dtype, block, x, buffers, stream);
-    return;
-  }
-  const Stream side = comm != nullptr ? backend.side_stream(stream) : stream;
+  const Stream side = backend.side_stream(stream);
   const int pieces = arrivals != nullptr ? arrivals->pieces() : 1;
-  // Block columns per launch: all at once without comm; with it, four at a time, each group
-  // reduced as soon as it is done (measured on 2 H200s against one and two per launch: the
-  // launches of 512-wide columns one by one cost more than the overlap gained, 8192 x 28672
-  // over 2 GPUs 32.1 / 30.7 / 30.3 ms with one / two / four, docs/BENCHMARKS.md).
-  const int columns_per_launch = comm != nullptr ? kGramColumnsPerLaunch : tiles.blocks();
+  // Four block columns per launch, each group reduced as soon as it is done: the launches of
+  // 512-wide columns one by one cost more than the overlap gained (8192 x 28672 over 2 H200s,
+  // measured when the tiles came in: 32.1 / 30.7 / 30.3 ms with one / two / four).
   bool written = false;  // whether a product has written the tiles yet
   for (int piece = 0; piece < pieces; ++piece) {
     const auto range =
@@ -472,8 +466,8 @@ void gram_product(Backend& backend, Communicator* comm, shardmuon_dtype dtype,
     if (last_piece && !written && empty) {  // an empty block contributes nothing to the sum
       backend.fill_zero(buffers.gram_packed, tiles.packed_elements() * accumulate_element, stream);
     }
-    for (int first = 0; first < tiles.blocks(); first += columns_per_launch) {
-      const int last = std::min(tiles.blocks(), first + columns_per_launch);
+    for (int first = 0; first < tiles.blocks(); first += kGramColumnsPerLaunch) {
+      const int last = std::min(tiles.blocks(), first + kGramColumnsPerLaunch);
       if (!empty) {
         // Tile (i, j) = X[rows of block i, range] X[rows of block j, range]^T.
         GemmCall call;
@@ -485,7 +479,7 @@ void gram_product(Backend& backend, Communicator* comm, shardmuon_dtype dtype,
         call.stride_a = call.stride_b = block.elements();
         call.stride_c = call.stride_d = tiles.packed_elements();
         // Beside the previous group's all-reduce, or the next piece's arrival.
-        call.overlaps_communication = comm != nullptr && (!last_piece || first > 0);
+        call.overlaps_communication = !last_piece || first > 0;
         const GramOperand operand = GramOperand::of(block, range.first, call);
         void* packed = buffers.gram_packed;
         tile_products(
@@ -500,18 +494,31 @@ void gram_product(Backend& backend, Communicator* comm, shardmuon_dtype dtype,
             },
             stream);
       }
-      if (comm != nullptr && last_piece) {
+      if (last_piece) {
         backend.order_after(side, stream);
         char* column =
             static_cast<char*>(buffers.gram_packed) + tiles.offset(first) * accumulate_element;
-        comm->all_reduce_sum(column, tiles.offset(last) - tiles.offset(first), accumulate, side);
+        comm.all_reduce_sum(column, tiles.offset(last) - tiles.offset(first), accumulate, side);
       }
     }
     written = written || !empty;
   }
-  if (comm != nullptr) backend.order_after(stream, side);
+  backend.order_after(stream, side);
   backend.unpack_symmetric(buffers.gram_packed, accumulate, tiles, buffers.batch, buffers.gram_full,
                            dtype, 0.0, stream);
+}
+
+// A = X X^T into buffers.gram_full: on one rank (no comm), or summed over the group, X
+// arriving piece by piece with arrivals ((d) only, which always has a group).
+void gram_product(Backend& backend, Communicator* comm, shardmuon_dtype dtype,
+                  const WideBlock& block, const void* x, const IterationBuffers& buffers,
+                  Stream stream, PiecewiseExchange* arrivals = nullptr) {
+  if (comm != nullptr) {
+    summed_gram_product(backend, *comm, dtype, block, x, buffers, stream, arrivals);
+    return;
+  }
+  if (arrivals != nullptr) fail(SHARDMUON_ERROR_INTERNAL, "a piecewise Gram needs a group");
+  local_gram_product(backend, dtype, block, x, buffers, stream);
 }
 
 // d = alpha A B + beta c on the lower tiles (packed, accumulate dtype), for full s x s
