@@ -18,7 +18,7 @@ One process per GPU. Rows of the table:
 Times: CUDA events around one call, after warm-ups, median over repeats, the slowest rank's
 median. Useful TFLOP/s counts K (4 s^2 L + 2 s^3) for an s x L matrix (s <= L) whatever the
 algorithm. The floor is shardmuon's executed GEMM flops per GPU (its symmetric products
-included) over the GEMM rate measured at the start of the run, plus the communication it
+included; (e)'s own where the algorithm column says "+ (e)") over the GEMM rate measured at the start of the run, plus the communication it
 cannot hide at the all-reduce / all-to-all rates measured there.
 Errors: relative Frobenius distance to a float64 Newton-Schulz of the gathered matrix.
 """
@@ -173,26 +173,44 @@ def triangle_elements(s, target=None, max_blocks=16):
     return sum((s - starts[j]) * (starts[j + 1] - starts[j]) for j in range(blocks)), s - starts[-2]
 
 
-def floor_ms(s, length, iterations, rates, dtype_name, world, algorithm, accumulate_bytes=4):
+def floor_ms(s, length, iterations, rates, dtype_name, world, algorithm, gram_iteration=False,
+             accumulate_bytes=4):
     """shardmuon's executed GEMM flops over the measured GEMM rate, plus the communication
     it cannot hide: the last block column of each Gram all-reduce, and for (d) the first
     piece of the exchange in and the last piece out (the library moves the shards in four
-    pieces, each beside products)."""
+    pieces, each beside products). With gram_iteration, (e)'s products: per step Q = a I +
+    b R + c R R, then the Gram of X at a restart or M <- Q M, then X <- M X at the end of a
+    restart's span or R <- Q (R Q); it restarts every 2 steps (gram_iteration_restart in
+    src/core/newton_schulz.h) and sums the Gram once per restart."""
     s, length = -(-s // 8) * 8, -(-length // 8) * 8  # the library pads to multiples of 8
     packed, last_width = triangle_elements(s)
     local_length = length / world if world > 1 else length
-    flops = iterations * (2 * packed * local_length + 2 * packed * s + 2 * s * s * local_length)
+    gram, square, apply = 2 * packed * local_length, 2 * packed * s, 2 * s * s * local_length
+    if gram_iteration:
+        restart = 2
+        flops = sum(square + (gram if k % restart == 0 else square) +
+                    (apply if k + 1 == iterations or (k + 1) % restart == 0 else 2 * square)
+                    for k in range(iterations))
+        reductions = -(-iterations // restart)
+    else:
+        flops = iterations * (gram + square + apply)
+        reductions = iterations
     compute = flops / rates["gemm_" + dtype_name] * 1e3
     comm = 0.0
     if world > 1 and algorithm.startswith("gram"):
         tail = last_width * last_width * accumulate_bytes
-        comm += iterations * tail * 2 * (world - 1) / world / rates["all_reduce_bus"] * 1e3
+        comm += reductions * tail * 2 * (world - 1) / world / rates["all_reduce_bus"] * 1e3
         if algorithm.endswith("redistributed"):
             element = 2 if dtype_name == "bf16" else 4
             pieces = 4  # kExchangePieces in src/core/ns_cost_model.h
             moved = (s * length / world) * element * (world - 1) / world
             comm += 2 * moved / pieces / rates["all_to_all"] * 1e3
     return compute, comm
+
+
+def label(algorithm, gram_iteration):
+    """The algorithm column: the distribution, and "+ (e)" where it runs the Gram iteration."""
+    return f"{algorithm} + (e)" if gram_iteration else algorithm
 
 
 def relative_error(result, reference):
@@ -219,7 +237,9 @@ def main():
     parser.add_argument("--fp32-shapes", default="4096x4096,4096x14336,3001x10007",
                         help="fp32 runs only these (its GEMMs run at a tenth of bf16's rate)")
     parser.add_argument("--schedules", default="quintic:5,polar_express:8")
-    parser.add_argument("--algorithm", default="auto", help="shardmuon's algorithm on sharded inputs")
+    parser.add_argument("--algorithm", default="auto",
+                        help="shardmuon's algorithm; on one GPU duplicated and gram_allreduce "
+                             "run the standard iteration, gram_newton_schulz (e)")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--warmups", type=int, default=2)
     parser.add_argument("--tag", default="", help="appended to the table's file name")
@@ -269,7 +289,9 @@ def main():
             for schedule_text in args.schedules.split(","):
                 schedule, steps = schedule_text.split(":")
                 steps = int(steps)
-                ns_local = NewtonSchulz(alone, ns_steps=steps, coefficient_type=schedule)
+                ns_local = NewtonSchulz(alone, ns_steps=steps, coefficient_type=schedule,
+                                        algorithm=args.algorithm)
+                local_gram_iteration = ns_local.uses_gram_iteration((rows, cols))
                 coefficients = ns_local.coefficients()
                 useful = steps * (4 * s * s * length + 2 * s**3)
                 generator = torch.Generator(device="cuda").manual_seed(1000 + rows + cols)
@@ -296,10 +318,12 @@ def main():
                 own_reference = (torch_newton_schulz(matrix.double(), [coefficients[0]] * steps, torch.float64)
                                  if use_own else reference)
                 torch_error = relative_error(torch_one(), own_reference)
-                compute, comm = floor_ms(s, length, steps, rates, dtype_name, 1, "local")
+                compute, comm = floor_ms(s, length, steps, rates, dtype_name, 1, "local",
+                                         local_gram_iteration)
                 passes = error <= tolerance
                 failures += 0 if passes else 1
-                emit(f"| {rows}x{cols} | {dtype_name} | {schedule} {steps} | 1 | - | local | {ms:.2f} | "
+                emit(f"| {rows}x{cols} | {dtype_name} | {schedule} {steps} | 1 | - | "
+                     f"{label('local', local_gram_iteration)} | {ms:.2f} | "
                      f"{useful / ms / 1e9:.0f} | {error:.2e} | {'yes' if passes else 'NO'} | "
                      f"{torch_ms:.2f}{' (own fn)' if use_own else ''} err {torch_error:.1e} | "
                      f"{torch_ms / ms:.2f} | | | | | {compute:.2f}+0 | {ms / compute:.2f} |")
@@ -314,6 +338,7 @@ def main():
                     ns = NewtonSchulz(dist.group.WORLD, ns_steps=steps, coefficient_type=schedule,
                                       algorithm=args.algorithm)
                     algorithm = ns.plan((rows, cols), dim, sizes)
+                    gram_iteration = ns.uses_gram_iteration((rows, cols), dim, sizes)
                     work = torch.empty_like(shard)
                     ms = timer.median_ms(lambda: work.copy_(shard), lambda: ns(work, (rows, cols), dim, sizes))
                     error = relative_error(gather_shards(work, dim, sizes, world), reference)
@@ -345,12 +370,13 @@ def main():
                     gram_ms = timer.median_ms(lambda: None, gram_baseline)
                     gram_baseline()
                     gram_error = relative_error(gather_shards(gram_out, dim, sizes, world), reference)
-                    compute, comm = floor_ms(s, length, steps, rates, dtype_name, world, algorithm)
+                    compute, comm = floor_ms(s, length, steps, rates, dtype_name, world, algorithm,
+                                             gram_iteration)
                     passes = error <= tolerance
                     failures += 0 if passes else 1
                     uneven = "" if len(set(sizes)) == 1 else " uneven"
                     emit(f"| {rows}x{cols} | {dtype_name} | {schedule} {steps} | {world} | dim {dim}{uneven} | "
-                         f"{algorithm} | {ms:.2f} | {useful / ms / 1e9:.0f} | {error:.2e} | "
+                         f"{label(algorithm, gram_iteration)} | {ms:.2f} | {useful / ms / 1e9:.0f} | {error:.2e} | "
                          f"{'yes' if passes else 'NO'} | | | {gather_ms:.2f} err {gather_error:.1e} | "
                          f"{gather_ms / ms:.2f} | {gram_ms:.2f} err {gram_error:.1e} | {gram_ms / ms:.2f} | "
                          f"{compute:.2f}+{comm:.2f} | {ms / (compute + comm):.2f} |")

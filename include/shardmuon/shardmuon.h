@@ -134,7 +134,10 @@ typedef enum shardmuon_schedule {
 
 /* How the orthogonalization of a sharded matrix is distributed (DESIGN.md section 3). */
 typedef enum shardmuon_ns_algorithm {
-  SHARDMUON_NS_AUTO = 0, /* let the library choose */
+  /* Let the library choose the distribution and, on it, the standard iteration or (e)'s
+   * (below) by its cost model: (e) where the long side is well above the short one. The
+   * others name the standard iteration, except GRAM_NEWTON_SCHULZ. */
+  SHARDMUON_NS_AUTO = 0,
   /* (a) all-gather the matrix, run the whole iteration on every rank, keep the own shard. */
   SHARDMUON_NS_DUPLICATED = 1,
   /* (b) each rank keeps a block along the long side; every iteration all-reduces the small
@@ -151,13 +154,13 @@ typedef enum shardmuon_ns_algorithm {
    * the sharded AUTO parameters when the cost model finds it cheaper than distributing each
    * matrix on its own. */
   SHARDMUON_NS_OWNER = 3,
-  /* (e) Gram Newton-Schulz, distributed as AUTO would: the iteration runs on the s x s Gram
-   * matrix R = X X^T (Q_k = a_k I + b_k R_k + c_k R_k^2, R_{k+1} = Q_k R_k Q_k, M = Q_k ... Q_0)
-   * and X <- M X is applied once at the end, so the long side is multiplied twice instead of
-   * twice per iteration, and a sharded matrix needs one Gram all-reduce instead of one per
+  /* (e) Gram Newton-Schulz, on the distribution AUTO would choose for it: the iteration runs on the
+   * s x s Gram matrix R = X X^T (Q_k = a_k I + b_k R_k + c_k R_k^2, R_{k+1} = Q_k R_k Q_k, M = Q_k
+   * ... Q_0) and X <- M X is applied once at the end, so the long side is multiplied twice instead
+   * of twice per iteration, and a sharded matrix needs one Gram all-reduce instead of one per
    * iteration. Exact in exact arithmetic; in bfloat16 and float32 it restarts from X every 2
-   * iterations (M = Q_k ... Q_0 amplifies its rounding errors otherwise). Opt-in: AUTO does
-   * not choose it. */
+   * iterations (M = Q_k ... Q_0 amplifies its rounding errors otherwise), which keeps it as
+   * accurate as the standard iteration. AUTO chooses it where it is cheaper. */
   SHARDMUON_NS_GRAM_NEWTON_SCHULZ = 4,
   /* Reported by shardmuon_ns_plan only, never requested: */
   SHARDMUON_NS_LOCAL = 100, /* nothing to communicate: replicated, or a group of one */
@@ -344,11 +347,19 @@ SHARDMUON_API shardmuon_status shardmuon_ns_plan(const shardmuon_layout* layout,
                                                  const shardmuon_ns_options* options,
                                                  shardmuon_ns_algorithm* chosen);
 
-/* The planner's estimate, in seconds, of the algorithm shardmuon_ns_plan picks for these
- * arguments: its cost model of bf16 on H200-class GPUs over NVLink (docs/DESIGN_NOTES.md),
- * not a measurement. For GRAM_NEWTON_SCHULZ it prices (e) itself on one rank (comm_size 1 or
- * replicated, restarting as bf16 does), and the standard iteration of the same distribution
- * on several. Local; no communication. */
+/* Whether that plan runs (e)'s Gram iteration on its distribution (*gram_iteration = 1) or
+ * the standard iteration (0): always 1 for GRAM_NEWTON_SCHULZ, never for DUPLICATED and
+ * GRAM_ALLREDUCE; for AUTO, 1 where the cost model finds (e) cheaper (a long side well above
+ * the short one). Local; no communication. */
+SHARDMUON_API shardmuon_status shardmuon_ns_plan_gram_iteration(const shardmuon_layout* layout,
+                                                                int comm_size,
+                                                                const shardmuon_ns_options* options,
+                                                                int* gram_iteration);
+
+/* The planner's estimate, in seconds, of the plan shardmuon_ns_plan and
+ * shardmuon_ns_plan_gram_iteration report for these arguments: its cost model of bf16 on
+ * H200-class GPUs over NVLink (docs/DESIGN_NOTES.md), not a measurement; (e) restarting as
+ * bf16 does. Local; no communication. */
 SHARDMUON_API shardmuon_status shardmuon_ns_estimate(const shardmuon_layout* layout, int comm_size,
                                                      const shardmuon_ns_options* options,
                                                      double* seconds);

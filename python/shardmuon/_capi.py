@@ -183,6 +183,10 @@ _signatures = {
         _c_status,
         [ctypes.POINTER(Layout), ctypes.c_int, ctypes.POINTER(NsOptions), ctypes.POINTER(ctypes.c_int)],
     ),
+    "shardmuon_ns_plan_gram_iteration": (
+        _c_status,
+        [ctypes.POINTER(Layout), ctypes.c_int, ctypes.POINTER(NsOptions), ctypes.POINTER(ctypes.c_int)],
+    ),
     "shardmuon_ns_estimate": (
         _c_status,
         [ctypes.POINTER(Layout), ctypes.c_int, ctypes.POINTER(NsOptions), ctypes.POINTER(ctypes.c_double)],

@@ -550,6 +550,18 @@ class NewtonSchulz:
                                         ctypes.byref(self._options), ctypes.byref(chosen)))
         return c.PLAN_NAMES.get(chosen.value, str(chosen.value))
 
+    def uses_gram_iteration(self, shape, partition_dim=None, shard_sizes=None) -> bool:
+        """Whether that call runs (e)'s Gram iteration on the distribution plan() names (always
+        under algorithm="gram_newton_schulz"; under "auto" where the cost model finds it
+        cheaper) rather than the standard iteration (no communication)."""
+        keepalive = []
+        layout = self._layout(shape, partition_dim, shard_sizes, keepalive)
+        chosen = ctypes.c_int()
+        c.check(c.lib.shardmuon_ns_plan_gram_iteration(
+            ctypes.byref(layout), group_size(self.process_group), ctypes.byref(self._options),
+            ctypes.byref(chosen)))
+        return bool(chosen.value)
+
     def estimate_seconds(self, shape, partition_dim=None, shard_sizes=None) -> float:
         """The planner's cost-model estimate for that call (bf16 on H200-class GPUs)."""
         keepalive = []

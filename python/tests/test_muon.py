@@ -309,12 +309,24 @@ def test_newton_schulz_rejects_bad_arguments():
 
 
 def test_newton_schulz_estimate_grows_with_the_work():
-    ns = st.NewtonSchulz()
+    ns = st.NewtonSchulz(algorithm="duplicated")  # on one rank: the standard iteration
     small, large = ns.estimate_seconds((512, 1024)), ns.estimate_seconds((4096, 14336))
     assert 0 < small < large
     # At least the update products X <- P X (2 s^2 L flops each, not symmetric) at the
     # 760 TFLOP/s it assumes; the symmetric products make the rest cheaper than 2 s^2 L + 2 s^3.
     assert large > 5 * 2 * 4096**2 * 14336 / 760e12
+
+
+def test_auto_runs_the_gram_iteration_where_it_is_cheaper():
+    auto = st.NewtonSchulz()
+    assert auto.uses_gram_iteration((4096, 14336)) and auto.uses_gram_iteration((14336, 4096))
+    assert not auto.uses_gram_iteration((4096, 4096)) and not auto.uses_gram_iteration((40, 120))
+    standard = st.NewtonSchulz(algorithm="duplicated")
+    assert not standard.uses_gram_iteration((4096, 14336))
+    assert st.NewtonSchulz(algorithm="gram_newton_schulz").uses_gram_iteration((40, 40))
+    # It chose (e) because the model prices it lower: three updates of X instead of five.
+    assert auto.estimate_seconds((4096, 14336)) < 0.9 * standard.estimate_seconds((4096, 14336))
+    assert auto.plan((4096, 14336)) == standard.plan((4096, 14336)) == "local"
 
 
 def test_experts_and_fused_parts_are_orthogonalized_one_by_one():

@@ -496,6 +496,15 @@ shardmuon_status shardmuon_ns_estimate(const shardmuon_layout* layout, int comm_
   });
 }
 
+shardmuon_status shardmuon_ns_plan_gram_iteration(const shardmuon_layout* layout, int comm_size,
+                                                  const shardmuon_ns_options* options,
+                                                  int* gram_iteration) {
+  return api_guard(__func__, [&] {
+    SHARDMUON_CHECK_ARG(gram_iteration != nullptr, "gram_iteration is NULL");
+    *gram_iteration = shardmuon::plan_matrix(layout, comm_size, options).plan.gram_iteration;
+  });
+}
+
 shardmuon_status shardmuon_ns_plan(const shardmuon_layout* layout, int comm_size,
                                    const shardmuon_ns_options* options,
                                    shardmuon_ns_algorithm* chosen) {

@@ -281,22 +281,23 @@ struct LocalCosts {
 };
 LocalCosts local_costs(const NsProblem& whole, const MachineModel& machine) {
   const int iterations = static_cast<int>(whole.coefficients.size());
-  const NsCostInputs inputs{whole.layout, 1, iterations};
-  return {estimate_local_seconds(inputs, machine),
-          estimate_local_gram_iteration_seconds(
-              inputs, gram_iteration_restart(whole.dtype, iterations), machine)};
+  const NsCostInputs standard{whole.layout, 1, iterations};
+  NsCostInputs gram = standard;
+  gram.gram_iteration_restart = gram_iteration_restart(whole.dtype, iterations);
+  return {estimate_local_seconds(standard, machine), estimate_local_seconds(gram, machine)};
 }
 
-// The matrices of a parameter as owner-batch entries (owner still unassigned). Under
-// GRAM_NEWTON_SCHULZ an owner runs (e) on its whole matrix where it takes fewer flops than the
-// standard iteration (the long side well above the short one), the standard iteration
-// elsewhere (near-square, where (e) saves nothing and loses accuracy). Flops only: (e) has a
-// few more products and unpacking passes, which decide only on matrices whose whole
-// Newton-Schulz takes microseconds either way.
+// The matrices of a parameter as owner-batch entries (owner still unassigned). An owner runs
+// (e) on its whole matrix where the cost model finds it cheaper than the standard iteration (a
+// long side well above the short one) under AUTO, and under GRAM_NEWTON_SCHULZ where it takes
+// fewer flops: (e)'s extra products and passes then decide only on matrices whose whole
+// Newton-Schulz takes microseconds either way. OWNER names the standard iteration.
 std::vector<OwnedMatrix> matrices_of(const MuonParamPlan& plan, size_t index) {
   MachineModel flops_only;
   flops_only.seconds_per_gemm = 0.0;
   flops_only.memory_bytes_per_second = std::numeric_limits<double>::infinity();
+  const bool requested_gram = plan.requested == SHARDMUON_NS_GRAM_NEWTON_SCHULZ;
+  const bool may_choose_gram = requested_gram || plan.requested == SHARDMUON_NS_AUTO;
   std::vector<OwnedMatrix> matrices;
   auto add = [&](const NsProblem& ns, int64_t offset) {
     OwnedMatrix m;
@@ -308,8 +309,8 @@ std::vector<OwnedMatrix> matrices_of(const MuonParamPlan& plan, size_t index) {
                                  nullptr};
     m.whole.layout = ShardLayout::from_api(whole, 1);
     m.whole.plan = NsPlan{};  // local
-    if (plan.requested == SHARDMUON_NS_GRAM_NEWTON_SCHULZ) {
-      const LocalCosts costs = local_costs(m.whole, flops_only);
+    if (may_choose_gram) {
+      const LocalCosts costs = local_costs(m.whole, requested_gram ? flops_only : MachineModel{});
       m.whole.plan.gram_iteration = costs.gram < costs.standard;
     }
     matrices.push_back(std::move(m));

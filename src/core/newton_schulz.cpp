@@ -1,6 +1,7 @@
 #include "core/newton_schulz.h"
 
 #include <algorithm>
+#include <limits>
 #include <utility>
 #include <vector>
 
@@ -946,31 +947,50 @@ void run_redistributed(Backend& backend, Communicator& comm, const NsProblem& pr
 
 NsPlan plan_newton_schulz(const ShardLayout& layout, int comm_size,
                           shardmuon_ns_algorithm requested, int iterations) {
-  if (requested == SHARDMUON_NS_GRAM_NEWTON_SCHULZ) {
-    NsPlan plan = plan_newton_schulz(layout, comm_size, SHARDMUON_NS_AUTO, iterations);
-    plan.gram_iteration = true;
-    return plan;
+  // The distributions the request allows, each with the iterations it allows; the cheapest
+  // by the cost model (the first of equals), the same on every rank.
+  std::vector<NsPlan> distributions(1);  // local: nothing to communicate
+  if (layout.is_sharded() && comm_size > 1) {
+    NsPlan duplicated;
+    duplicated.algorithm = NsPlan::Algorithm::kDuplicated;
+    NsPlan gram;
+    gram.algorithm = NsPlan::Algorithm::kGramAllReduce;
+    gram.redistributes = layout.sharded_dim() != layout.long_dim();
+    // Flat shards are not blocks of the long side; the callers reject GRAM_ALLREDUCE for them.
+    if (layout.is_flat() || requested == SHARDMUON_NS_DUPLICATED) {
+      distributions = {duplicated};
+    } else if (requested == SHARDMUON_NS_GRAM_ALLREDUCE) {
+      distributions = {gram};
+    } else {
+      // (b) wins for large matrices (it splits the long side's products and moves s^2 per
+      // iteration); (a) for small ones, whose time goes to the fixed costs of (b)'s collectives.
+      distributions = {gram, duplicated};
+    }
   }
-  NsPlan plan;
-  if (!layout.is_sharded() || comm_size == 1) return plan;  // nothing to communicate
-  NsPlan duplicated;
-  duplicated.algorithm = NsPlan::Algorithm::kDuplicated;
-  // Flat shards are not blocks of the long side; the callers reject GRAM_ALLREDUCE for them.
-  if (layout.is_flat()) return duplicated;
-  NsPlan gram;
-  gram.algorithm = NsPlan::Algorithm::kGramAllReduce;
-  gram.redistributes = layout.sharded_dim() != layout.long_dim();
-  if (requested == SHARDMUON_NS_DUPLICATED) return duplicated;
-  if (requested == SHARDMUON_NS_GRAM_ALLREDUCE) return gram;
-  // AUTO: the cheaper by the cost model. (b) wins for large matrices (it splits the long
-  // side's products and moves s^2 per iteration); (a) for small ones, whose time goes to
-  // the fixed costs of (b)'s collectives.
-  const NsCostInputs inputs{layout, comm_size, iterations};
+  // DUPLICATED and GRAM_ALLREDUCE name the standard iteration, GRAM_NEWTON_SCHULZ (e); AUTO
+  // takes (e) where it is cheaper: a long side well above the short one. With the restarts
+  // (gram_iteration_restart) (e) is as accurate as the standard iteration
+  // (docs/BENCHMARKS.md: bench/ns_accuracy.py and the GPU tables).
+  std::vector<bool> gram_iterations{false, true};
+  if (requested == SHARDMUON_NS_GRAM_NEWTON_SCHULZ) gram_iterations = {true};
+  if (requested == SHARDMUON_NS_DUPLICATED || requested == SHARDMUON_NS_GRAM_ALLREDUCE) {
+    gram_iterations = {false};
+  }
   const MachineModel machine;
-  return estimate_duplicated_seconds(inputs, machine) <
-                 estimate_gram_all_reduce_seconds(inputs, machine)
-             ? duplicated
-             : gram;
+  const NsCostInputs inputs{layout, comm_size, iterations};
+  NsPlan best;
+  double best_seconds = std::numeric_limits<double>::infinity();
+  for (bool gram_iteration : gram_iterations) {
+    for (NsPlan plan : distributions) {
+      plan.gram_iteration = gram_iteration;
+      const double seconds = estimate_plan_seconds(plan, inputs, machine);
+      if (seconds < best_seconds) {
+        best = plan;
+        best_seconds = seconds;
+      }
+    }
+  }
+  return best;
 }
 
 void check_algorithm_fits_layout(shardmuon_ns_algorithm requested, const ShardLayout& layout,
@@ -994,17 +1014,15 @@ shardmuon_ns_algorithm reported_algorithm(const NsPlan& plan) {
 
 double estimate_plan_seconds(const NsPlan& plan, const NsCostInputs& inputs,
                              const MachineModel& machine) {
+  NsCostInputs priced = inputs;
+  // The model is of bf16, so (e) restarts as bf16 does.
+  priced.gram_iteration_restart =
+      plan.gram_iteration ? gram_iteration_restart(SHARDMUON_BFLOAT16, inputs.iterations) : 0;
   switch (plan.algorithm) {
-    case NsPlan::Algorithm::kLocal:
-      // The model is of bf16, so (e) restarts as bf16 does.
-      return plan.gram_iteration
-                 ? estimate_local_gram_iteration_seconds(
-                       inputs, gram_iteration_restart(SHARDMUON_BFLOAT16, inputs.iterations),
-                       machine)
-                 : estimate_local_seconds(inputs, machine);
-    case NsPlan::Algorithm::kDuplicated: return estimate_duplicated_seconds(inputs, machine);
+    case NsPlan::Algorithm::kLocal: return estimate_local_seconds(priced, machine);
+    case NsPlan::Algorithm::kDuplicated: return estimate_duplicated_seconds(priced, machine);
     case NsPlan::Algorithm::kGramAllReduce:
-      return estimate_gram_all_reduce_seconds(inputs, machine);
+      return estimate_gram_all_reduce_seconds(priced, machine);
   }
   return 0.0;
 }

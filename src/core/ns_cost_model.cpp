@@ -42,70 +42,64 @@ ProductCosts product_costs(int64_t s, int64_t length, const MachineModel& machin
   return cost;
 }
 
-struct IterationCost {
-  double gram_seconds = 0;  // the products a Gram all-reduce can hide behind
-  double other_seconds = 0;
-  double packed_elements = 0;
-  double last_group_elements = 0;
-  int groups = 1;
-};
+// What a Gram summed over a group of `ranks` leaves in the open: the groups of block columns
+// are summed while later ones are computed, so at least the last group's reduction.
+double exposed_all_reduce_seconds(const ProductCosts& products, int ranks,
+                                  const MachineModel& machine) {
+  if (ranks <= 1) return 0.0;
+  const double ring = 2.0 * (ranks - 1) / ranks;
+  const double bytes_per_second = machine.all_reduce_bus_bytes_per_second;
+  const double all_reduce = products.groups * machine.seconds_per_collective +
+                            4 * products.packed_elements * ring / bytes_per_second;
+  const double last_group =
+      machine.seconds_per_collective + 4 * products.last_group_elements * ring / bytes_per_second;
+  return std::max(all_reduce - products.gram, last_group);
+}
 
-// One iteration on an s x length block: A = X X^T (lower tiles), P = a I + b A +
-// c A A (lower tiles), X <- P X, and the two unpacking passes.
-IterationCost iteration_cost(int64_t s, int64_t length, const MachineModel& machine) {
+// The iterations proper on an s x length block, every Gram summed over `ranks` (1: none).
+// The standard iteration: per step A = X X^T (lower tiles), P = a I + b A + c A A (lower
+// tiles), X <- P X, and two passes completing the symmetric matrices. (e): see NsCostInputs.
+double iterations_seconds(int64_t s, int64_t length, int ranks, const NsCostInputs& inputs,
+                          const MachineModel& machine) {
   const ProductCosts products = product_costs(s, length, machine);
-  IterationCost cost;
-  cost.groups = products.groups;
-  cost.packed_elements = products.packed_elements;
-  cost.last_group_elements = products.last_group_elements;
-  cost.gram_seconds = products.gram;
-  cost.other_seconds = products.square + products.apply + 2 * products.unpack;
-  return cost;
+  const double gram = products.gram + exposed_all_reduce_seconds(products, ranks, machine);
+  if (inputs.gram_iteration_restart <= 0) {
+    return inputs.iterations * (gram + products.square + products.apply + 2 * products.unpack);
+  }
+  // Every symmetric product is completed for the next; M = Q is a copy of Q.
+  const double square = products.square + products.unpack;
+  const double sd = static_cast<double>(padded_extent(s));
+  const double copy = 2 * machine.element_bytes * sd * sd / machine.memory_bytes_per_second;
+  const int restart = inputs.gram_iteration_restart;
+  double seconds = 0.0;
+  for (int k = 0; k < inputs.iterations; ++k) {
+    const bool first = k % restart == 0;
+    const bool last = k + 1 == inputs.iterations || (k + 1) % restart == 0;
+    seconds += square;                                          // Q = a I + b R + c R R
+    seconds += first ? gram + products.unpack + copy : square;  // R from X and M = Q, or M <- Q M
+    seconds += last ? products.apply : 2 * square;              // X <- M X, or R <- Q (R Q)
+  }
+  return seconds;
 }
 
 }  // namespace
 
 double estimate_local_seconds(const NsCostInputs& inputs, const MachineModel& machine) {
   const int64_t rows = inputs.layout.rows(), cols = inputs.layout.cols();
-  const IterationCost iteration =
-      iteration_cost(std::min(rows, cols), std::max(rows, cols), machine);
-  return inputs.iterations * (iteration.gram_seconds + iteration.other_seconds);
-}
-
-double estimate_local_gram_iteration_seconds(const NsCostInputs& inputs, int restart_every,
-                                             const MachineModel& machine) {
-  const int64_t s = std::min(inputs.layout.rows(), inputs.layout.cols());
-  const ProductCosts products =
-      product_costs(s, std::max(inputs.layout.rows(), inputs.layout.cols()), machine);
-  // Every symmetric product is unpacked for the next; M = Q is a copy of Q.
-  const double square = products.square + products.unpack;
-  const double gram = products.gram + products.unpack;
-  const double sd = static_cast<double>(padded_extent(s));
-  const double copy = 2 * machine.element_bytes * sd * sd / machine.memory_bytes_per_second;
-  const int restart = std::max(1, restart_every);
-  double seconds = 0.0;
-  for (int k = 0; k < inputs.iterations; ++k) {
-    const bool first = k % restart == 0;
-    const bool last = k + 1 == inputs.iterations || (k + 1) % restart == 0;
-    seconds += square;                              // Q = a I + b R + c R R
-    seconds += first ? gram + copy : square;        // R from X and M = Q, or M <- Q M
-    seconds += last ? products.apply : 2 * square;  // X <- M X, or R <- Q (R Q)
-  }
-  return seconds;
+  return iterations_seconds(std::min(rows, cols), std::max(rows, cols), 1, inputs, machine);
 }
 
 double estimate_duplicated_seconds(const NsCostInputs& inputs, const MachineModel& machine) {
   const ShardLayout& layout = inputs.layout;
-  const int64_t rows = layout.rows(), cols = layout.cols();
-  const IterationCost iteration =
-      iteration_cost(std::min(rows, cols), std::max(rows, cols), machine);
   int64_t largest = 0;
   for (int64_t size : layout.shard_sizes()) largest = std::max(largest, size);
-  const int64_t other_extent = layout.is_flat() ? 1 : layout.sharded_dim() == 0 ? cols : rows;
+  const int64_t other_extent = layout.is_flat()            ? 1
+                               : layout.sharded_dim() == 0 ? layout.cols()
+                                                           : layout.rows();
   const double gathered_bytes = static_cast<double>(largest) * static_cast<double>(other_extent) *
                                 machine.element_bytes * (inputs.ranks - 1);
   return machine.seconds_per_collective + gathered_bytes / machine.all_gather_bytes_per_second +
-         inputs.iterations * (iteration.gram_seconds + iteration.other_seconds);
+         estimate_local_seconds(inputs, machine);
 }
 
 double estimate_gram_all_reduce_seconds(const NsCostInputs& inputs, const MachineModel& machine) {
@@ -119,19 +113,8 @@ double estimate_gram_all_reduce_seconds(const NsCostInputs& inputs, const Machin
     length = 0;
     for (int64_t size : layout.shard_sizes()) length = std::max(length, size);
   }
-  const IterationCost iteration = iteration_cost(s, length, machine);
-  const double ring = 2.0 * (inputs.ranks - 1) / inputs.ranks;
-  const double all_reduce =
-      iteration.groups * machine.seconds_per_collective +
-      4 * iteration.packed_elements * ring / machine.all_reduce_bus_bytes_per_second;
-  // The groups of block columns are summed while later ones are computed: what is left over
-  // is at least the last group's reduction.
-  const double last_group =
-      machine.seconds_per_collective +
-      4 * iteration.last_group_elements * ring / machine.all_reduce_bus_bytes_per_second;
-  const double exposed = std::max(all_reduce - iteration.gram_seconds, last_group);
   double seconds = machine.seconds_per_collective +  // the norm
-                   inputs.iterations * (iteration.gram_seconds + iteration.other_seconds + exposed);
+                   iterations_seconds(s, length, inputs.ranks, inputs, machine);
   if (redistributes) {  // two exchanges, a piece of each in the open
     const double moved = static_cast<double>(s) * static_cast<double>(length) *
                          machine.element_bytes * (inputs.ranks - 1) / inputs.ranks;

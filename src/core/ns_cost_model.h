@@ -37,19 +37,19 @@ struct NsCostInputs {
   ShardLayout layout;
   int ranks = 1;
   int iterations = 5;
+  // 0: the standard iteration. Otherwise (e)'s Gram iteration (newton_schulz.cpp
+  // iterate_on_gram), restarting every this many steps: per restart the Gram (summed over
+  // the group when there is one) and one product by X, per step products of s x s symmetric
+  // matrices only. Cheaper than the standard iteration when the long side is well above the
+  // short one (at 4096 x 28672, bf16, on one rank: about 0.7 of its time), dearer when square.
+  int gram_iteration_restart = 0;
 };
 
-// Estimated seconds of (a) duplicated, and of (b) Gram all-reduce on the long side, which
-// includes (d)'s two all-to-alls when the shards lie along the short side.
+// Estimated seconds of the whole matrix on one rank, no communication; of (a) duplicated; and
+// of (b) Gram all-reduce on the long side, which includes (d)'s two all-to-alls when the
+// shards lie along the short side. Each of the iteration `inputs` names.
+double estimate_local_seconds(const NsCostInputs& inputs, const MachineModel& machine);
 double estimate_duplicated_seconds(const NsCostInputs& inputs, const MachineModel& machine);
 double estimate_gram_all_reduce_seconds(const NsCostInputs& inputs, const MachineModel& machine);
-// The whole matrix on one rank, no communication.
-double estimate_local_seconds(const NsCostInputs& inputs, const MachineModel& machine);
-// The same with (e)'s Gram iteration, restarting every `restart_every` steps (newton_schulz.cpp
-// iterate_on_gram): per restart the Gram and one product by X, per step products of s x s
-// symmetric matrices only. Cheaper than the standard iteration when the long side is well
-// above the short one (at 4096 x 28672, bf16: about 0.7 of its flops), dearer when square.
-double estimate_local_gram_iteration_seconds(const NsCostInputs& inputs, int restart_every,
-                                             const MachineModel& machine);
 
 }  // namespace shardmuon

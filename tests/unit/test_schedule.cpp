@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <string>
 
 #include "../common/harness.h"
 #include "../common/reference.h"
@@ -103,24 +104,27 @@ TEST_F(Schedules, PlansFollowTheLayout) {
   EXPECT_EQ(plan(64, 257, SHARDMUON_SHARDED_DIM0, 2, SHARDMUON_NS_DUPLICATED),
             SHARDMUON_NS_DUPLICATED);
   EXPECT_EQ(plan(64, 257, SHARDMUON_REPLICATED, 4, SHARDMUON_NS_AUTO), SHARDMUON_NS_LOCAL);
-  // The estimate is of the plan AUTO picks: never more than the other algorithm's.
+  // The estimate is of the plan AUTO picks: never more than another request's, (e) included.
   for (const int64_t side : {512, 4096, 8192}) {
     shardmuon_layout layout{side, 3 * side, SHARDMUON_SHARDED_DIM1, 2, nullptr};
-    double chosen_seconds = 0, duplicated_seconds = 0, gram_seconds = 0;
-    options.algorithm = SHARDMUON_NS_AUTO;
-    ASSERT_EQ(shardmuon_ns_estimate(&layout, 2, &options, &chosen_seconds), SHARDMUON_SUCCESS);
-    options.algorithm = SHARDMUON_NS_DUPLICATED;
-    ASSERT_EQ(shardmuon_ns_estimate(&layout, 2, &options, &duplicated_seconds), SHARDMUON_SUCCESS);
-    options.algorithm = SHARDMUON_NS_GRAM_ALLREDUCE;
-    ASSERT_EQ(shardmuon_ns_estimate(&layout, 2, &options, &gram_seconds), SHARDMUON_SUCCESS);
-    EXPECT_GT(chosen_seconds, 0.0);
-    EXPECT_EQ(chosen_seconds, std::min(duplicated_seconds, gram_seconds)) << "side " << side;
+    auto estimate = [&](shardmuon_ns_algorithm algorithm) {
+      options.algorithm = algorithm;
+      double seconds = 0;
+      EXPECT_EQ(shardmuon_ns_estimate(&layout, 2, &options, &seconds), SHARDMUON_SUCCESS);
+      return seconds;
+    };
+    const double chosen = estimate(SHARDMUON_NS_AUTO);
+    EXPECT_GT(chosen, 0.0);
+    EXPECT_EQ(chosen,
+              std::min({estimate(SHARDMUON_NS_DUPLICATED), estimate(SHARDMUON_NS_GRAM_ALLREDUCE),
+                        estimate(SHARDMUON_NS_GRAM_NEWTON_SCHULZ)}))
+        << "side " << side;
   }
   EXPECT_EQ(plan(64, 257, SHARDMUON_SHARDED_DIM1, 1, SHARDMUON_NS_DUPLICATED), SHARDMUON_NS_LOCAL);
 
-  // (e) on one rank: about two thirds of the standard iteration's work when the long side is
-  // seven times the short one (the Llama-8B gate+up); no saving on a square matrix, where it
-  // runs more products of the short side.
+  // (e) on one rank (where DUPLICATED names the standard iteration): about two thirds of its work
+  // when the long side is seven times the short one (the Llama-8B gate+up); no saving on a square
+  // matrix, where it runs more products of the short side.
   auto local_seconds = [&](int64_t rows, int64_t cols, shardmuon_ns_algorithm algorithm) {
     shardmuon_layout layout{rows, cols, SHARDMUON_REPLICATED, 1, nullptr};
     options.algorithm = algorithm;
@@ -129,11 +133,50 @@ TEST_F(Schedules, PlansFollowTheLayout) {
     return seconds;
   };
   const double long_ratio = local_seconds(28672, 4096, SHARDMUON_NS_GRAM_NEWTON_SCHULZ) /
-                            local_seconds(28672, 4096, SHARDMUON_NS_AUTO);
+                            local_seconds(28672, 4096, SHARDMUON_NS_DUPLICATED);
   EXPECT_GT(long_ratio, 0.55);
   EXPECT_LT(long_ratio, 0.8);
   EXPECT_GE(local_seconds(4096, 4096, SHARDMUON_NS_GRAM_NEWTON_SCHULZ),
-            local_seconds(4096, 4096, SHARDMUON_NS_AUTO));
+            local_seconds(4096, 4096, SHARDMUON_NS_DUPLICATED));
+}
+
+TEST_F(Schedules, AutoRunsTheGramIterationWhereItIsCheaper) {
+  shardmuon_ns_options options;
+  shardmuon_ns_options_default(&options);
+  auto gram_iteration = [&](int64_t rows, int64_t cols, shardmuon_partition partition, int ranks,
+                            shardmuon_ns_algorithm requested) {
+    shardmuon_layout layout{rows, cols, partition, ranks, nullptr};
+    options.algorithm = requested;
+    int chosen = -1;
+    EXPECT_EQ(shardmuon_ns_plan_gram_iteration(&layout, ranks, &options, &chosen),
+              SHARDMUON_SUCCESS)
+        << shardmuon_last_error();
+    return chosen;
+  };
+  const shardmuon_ns_algorithm automatic = SHARDMUON_NS_AUTO;
+  // A long side several times the short one: (e), on one rank and on two, either dim.
+  EXPECT_EQ(gram_iteration(4096, 14336, SHARDMUON_REPLICATED, 1, automatic), 1);
+  EXPECT_EQ(gram_iteration(28672, 8192, SHARDMUON_SHARDED_DIM0, 1, automatic), 1);
+  EXPECT_EQ(gram_iteration(8192, 28672, SHARDMUON_SHARDED_DIM0, 2, automatic), 1);
+  EXPECT_EQ(gram_iteration(8192, 28672, SHARDMUON_SHARDED_DIM1, 2, automatic), 1);
+  // Square, or small enough that (e)'s extra launches decide: the standard iteration.
+  EXPECT_EQ(gram_iteration(8192, 8192, SHARDMUON_SHARDED_DIM1, 2, automatic), 0);
+  EXPECT_EQ(gram_iteration(4096, 4096, SHARDMUON_REPLICATED, 1, automatic), 0);
+  EXPECT_EQ(gram_iteration(64, 257, SHARDMUON_SHARDED_DIM1, 2, automatic), 0);
+  // The other requests decide it themselves.
+  EXPECT_EQ(gram_iteration(4096, 14336, SHARDMUON_SHARDED_DIM1, 2, SHARDMUON_NS_DUPLICATED), 0);
+  EXPECT_EQ(gram_iteration(4096, 14336, SHARDMUON_SHARDED_DIM1, 2, SHARDMUON_NS_GRAM_ALLREDUCE), 0);
+  EXPECT_EQ(gram_iteration(64, 64, SHARDMUON_REPLICATED, 1, SHARDMUON_NS_GRAM_NEWTON_SCHULZ), 1);
+  // Bad arguments name themselves.
+  shardmuon_layout layout{64, 64, SHARDMUON_REPLICATED, 1, nullptr};
+  options.algorithm = automatic;
+  EXPECT_EQ(shardmuon_ns_plan_gram_iteration(&layout, 1, &options, nullptr),
+            SHARDMUON_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(shardmuon_last_error()).find("gram_iteration"), std::string::npos);
+  options.algorithm = SHARDMUON_NS_OWNER;
+  int chosen = -1;
+  EXPECT_EQ(shardmuon_ns_plan_gram_iteration(&layout, 1, &options, &chosen),
+            SHARDMUON_ERROR_INVALID_ARGUMENT);
 }
 
 }  // namespace
