@@ -90,10 +90,4 @@ double tolerance_for(shardmuon_dtype dtype) {
   return 0;
 }
 
-double tolerance_for(shardmuon_dtype dtype, shardmuon_ns_algorithm algorithm) {
-  const bool gram_iteration_bf16 =
-      algorithm == SHARDMUON_NS_GRAM_NEWTON_SCHULZ && dtype == SHARDMUON_BFLOAT16;
-  return gram_iteration_bf16 ? 5e-2 : tolerance_for(dtype);
-}
-
 }  // namespace shardmuon_test

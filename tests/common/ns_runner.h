@@ -49,11 +49,8 @@ const Matrix& cached_reference(const std::string& key, const Matrix& input,
 // environment sets SHARDMUON_TEST_REPORT_ERRORS, to see the margins behind each tolerance.
 void report_error(double error, double tolerance, int group_rank);
 
-// Relative Frobenius error allowed against the float64 oracle (DESIGN.md section 4).
+// Relative Frobenius error allowed against the float64 oracle (DESIGN.md section 4), (e)'s
+// Gram iteration held to the same since it restarts every two steps.
 double tolerance_for(shardmuon_dtype dtype);
-// The same for an algorithm: (e) iterates on R = X X^T, whose condition is X's squared, and in
-// bfloat16 measures about twice the standard iteration's error (docs/BENCHMARKS.md: 2.6e-2 vs
-// 1.2e-2 at 8192 x 28672), which a step compounds.
-double tolerance_for(shardmuon_dtype dtype, shardmuon_ns_algorithm algorithm);
 
 }  // namespace shardmuon_test

@@ -190,7 +190,7 @@ void run_and_compare(const Group& group, StepRun& run, int steps, const std::str
         group_max(group_relative_error(w, p.shard(p.w, group.rank), scope), group.mpi);
     const double m_error =
         group_max(group_relative_error(m, p.shard(p.m, group.rank), scope), group.mpi);
-    const double tolerance = tolerance_for(p.dtype, run.algorithm);
+    const double tolerance = tolerance_for(p.dtype);
     report_error(w_error, tolerance, group.rank);
     EXPECT_LT(w_error, tolerance) << label << " params[" << i << "] param after " << steps
                                   << " steps";
