@@ -40,20 +40,25 @@ def estimate(rows, cols, ranks, dim, schedule, steps, algorithm="auto"):
         sizes = even_split((rows, cols)[dim], ranks)
         array = (ctypes.c_int64 * ranks)(*sizes)
         layout = c.Layout(rows, cols, c.SHARDED_DIM0 if dim == 0 else c.SHARDED_DIM1, ranks, array)
-    seconds, chosen = ctypes.c_double(), ctypes.c_int()
+    seconds, chosen, gram_iteration = ctypes.c_double(), ctypes.c_int(), ctypes.c_int()
     c.check(c.lib.shardmuon_ns_estimate(ctypes.byref(layout), ranks, ctypes.byref(options), ctypes.byref(seconds)))
     c.check(c.lib.shardmuon_ns_plan(ctypes.byref(layout), ranks, ctypes.byref(options), ctypes.byref(chosen)))
-    return seconds.value, c.PLAN_NAMES[chosen.value]
+    c.check(c.lib.shardmuon_ns_plan_gram_iteration(ctypes.byref(layout), ranks, ctypes.byref(options),
+                                                   ctypes.byref(gram_iteration)))
+    name = c.PLAN_NAMES[chosen.value]
+    return seconds.value, name + " + (e)" if gram_iteration.value else name
 
 
 def bytes_per_rank(rows, cols, ranks, dim, steps, algorithm):
-    """Bytes each rank sends (bf16 data, float32 Gram triangle) for one matrix."""
+    """Bytes each rank sends (bf16 data, float32 Gram triangle) for one matrix; (e) sums the
+    Gram once per restart (every 2 steps)."""
     s, length = min(rows, cols), max(rows, cols)
-    if algorithm == "duplicated":
+    if algorithm.startswith("duplicated"):
         return 2 * s * length / ranks * (ranks - 1)  # its shard to every other rank
     triangle = s * s / 2  # about: the packed lower block columns
-    moved = 4 * triangle * 2 * (ranks - 1) / ranks * steps  # ring all-reduces
-    if algorithm.endswith("redistributed"):
+    reductions = -(-steps // 2) if algorithm.endswith("(e)") else steps
+    moved = 4 * triangle * 2 * (ranks - 1) / ranks * reductions  # ring all-reduces
+    if "redistributed" in algorithm:
         moved += 2 * 2 * s * length / ranks * (ranks - 1) / ranks
     return moved
 
@@ -71,7 +76,11 @@ def part_one(path):
         ranks = int(cells[4])
         dim = None if cells[5] == "-" else int(cells[5].split()[1])
         algorithm = cells[6]
-        forced = {"duplicated": "duplicated", "local": "auto"}.get(algorithm, "gram_allreduce")
+        # The row's algorithm as a request; on one rank duplicated is the standard iteration.
+        if algorithm.endswith("(e)"):
+            forced = "gram_newton_schulz"
+        else:
+            forced = {"duplicated": "duplicated", "local": "duplicated"}.get(algorithm, "gram_allreduce")
         seconds, _ = estimate(rows, cols, ranks, dim, schedule, int(steps), forced)
         measured = float(cells[7])
         print(f"| {cells[1]} | {cells[3]} | {ranks} | {cells[5]} | {algorithm} | {measured:.2f} | "
@@ -101,7 +110,7 @@ def part_two(layers=8, steps=5):
                 totals[algorithm][0] += layers * seconds
                 totals[algorithm][1] += layers * bytes_per_rank(rows, cols, ranks, dim, steps, chosen)
                 if algorithm == "auto":
-                    choices.append(chosen.replace("gram_allreduce", "gram"))
+                    choices.append(chosen.replace("gram_allreduce", "gram").replace(" + ", "+"))
         print(f"| {ranks} | {totals['duplicated'][0] * 1e3:.1f} | {totals['duplicated'][1] / 1e6:.0f} | "
               f"{totals['gram_allreduce'][0] * 1e3:.1f} | {totals['gram_allreduce'][1] / 1e6:.0f} | "
               f"{totals['auto'][0] * 1e3:.1f} | {', '.join(choices)} | {owner * 1e3:.1f} | {moved / 1e6:.0f} |")
