@@ -61,20 +61,21 @@ struct WideBlock {
 
 // Scratch buffers of one Newton-Schulz run on a block. The Gram A = X X^T and the
 // polynomial P = a I + b A + c A A are symmetric: their products compute only the lower
-// block columns (SymmetricTiles), kept packed in the accumulate dtype, and are then
-// unpacked to full matrices in the storage dtype as the operands of the next product.
+// block columns (SymmetricTiles), written rounded to the storage dtype where they lie in full
+// matrices whose upper triangles are then mirrored, as the operands of the next product. A
+// Gram summed over a group is instead kept packed in the accumulate dtype, all-reduced, and
+// unpacked.
 struct IterationBuffers {
   WideBlock padded;  // what the products run on (WideBlock::padded)
   SymmetricTiles tiles;
   void* x[2];            // ping-pong iterates, storage dtype
-  void* gram_packed;     // A's lower tiles, accumulate dtype (all-reduced; (e)'s products)
+  void* gram_packed;     // A's lower tiles, accumulate dtype, summed over a group
   void* gram_full;       // A, storage dtype, the operand of A A
   void* column_squares;  // |A_:i|^2 for P's diagonal, accumulate dtype, s per matrix
   void* poly_full;       // P, storage dtype, the operand of P X
-  // (e) only: the accumulated polynomial M, a product's full result, and a packed result.
+  // (e) only: the accumulated polynomial M, and a spare full matrix for products.
   void* product_full;
   void* other_full;
-  void* work_packed;
   void* sum_of_squares;  // one per matrix of the batch
   void* reduce_scratch;
   size_t reduce_scratch_bytes;
@@ -85,7 +86,7 @@ struct IterationSlots {
   WideBlock padded;
   SymmetricTiles tiles;
   size_t x0, x1, gram_packed, gram_full, column_squares, poly_full, sum_of_squares, reduce_scratch;
-  size_t product_full, other_full, work_packed;
+  size_t product_full, other_full;
   size_t reduce_scratch_bytes;
   int64_t batch = 1;
 
@@ -105,15 +106,14 @@ struct IterationSlots {
     const size_t full = static_cast<size_t>(s * s * batch);
     slots.x0 = carver.reserve(slots.padded.elements() * batch * storage);
     slots.x1 = carver.reserve(slots.padded.elements() * batch * storage);
-    // The packed Gram (accumulate dtype): summed over a group, or (e)'s products. A Gram on
-    // one rank is written straight into gram_full, so none for the standard iteration there.
-    slots.gram_packed = carver.reserve(summed_gram || gram_iteration ? packed * accumulate : 0);
+    // The packed Gram (accumulate dtype), summed over a group. A Gram on one rank, like every
+    // other product, is written straight into its full matrix.
+    slots.gram_packed = carver.reserve(summed_gram ? packed * accumulate : 0);
     slots.gram_full = carver.reserve(full * storage);
     slots.column_squares = carver.reserve(static_cast<size_t>(s * batch) * accumulate);
     slots.poly_full = carver.reserve(full * storage);
     slots.product_full = carver.reserve(gram_iteration ? full * storage : 0);
     slots.other_full = carver.reserve(gram_iteration ? full * storage : 0);
-    slots.work_packed = carver.reserve(gram_iteration ? packed * accumulate : 0);
     slots.sum_of_squares = carver.reserve(accumulate * batch);
     slots.reduce_scratch_bytes = backend.sum_of_squares_scratch_bytes(dtype, norm_elements, batch);
     slots.reduce_scratch = carver.reserve(slots.reduce_scratch_bytes);
@@ -132,7 +132,6 @@ struct IterationSlots {
     buffers.poly_full = carver.pointer(poly_full);
     buffers.product_full = carver.pointer(product_full);
     buffers.other_full = carver.pointer(other_full);
-    buffers.work_packed = carver.pointer(work_packed);
     buffers.sum_of_squares = carver.pointer(sum_of_squares);
     buffers.reduce_scratch = carver.pointer(reduce_scratch);
     buffers.reduce_scratch_bytes = reduce_scratch_bytes;
@@ -522,38 +521,31 @@ void gram_product(Backend& backend, Communicator* comm, shardmuon_dtype dtype,
   local_gram_product(backend, dtype, block, x, buffers, stream);
 }
 
-// d = alpha A B + beta c on the lower tiles (packed, accumulate dtype), for full s x s
-// operands A and B (storage dtype) whose product is symmetric: A A, or products of
-// polynomials in the same Gram matrix, which commute. Over a batch, matrix i of each is i full
-// (or packed) matrices on.
+// d = A B (full, storage dtype) for full s x s operands A and B whose product is symmetric:
+// products of polynomials in the same Gram matrix, which commute. Every lower tile in one
+// launch, written rounded where it lies in d, then the upper triangle mirrored from the lower
+// one. d must not be A or B. Over a batch, matrix i of each is i full matrices on.
 void symmetric_product(Backend& backend, shardmuon_dtype dtype, const SymmetricTiles& tiles,
-                       int64_t batch, const void* a, const void* b, double alpha, double beta,
-                       const void* c, void* d, Stream stream) {
-  const shardmuon_dtype accumulate = accumulate_dtype(dtype);
-  const size_t element = element_size(dtype), accumulate_element = element_size(accumulate);
+                       int64_t batch, const void* a, const void* b, void* d, Stream stream) {
+  const size_t element = element_size(dtype);
   const int64_t s = tiles.n;
   GemmCall call;
   call.k = s;
-  call.alpha = alpha;
-  call.beta = beta;
-  call.lda = call.ldb = s;
-  call.ab_type = dtype;
-  call.cd_type = accumulate;
+  call.lda = call.ldb = call.ldc = call.ldd = s;
+  call.ab_type = call.cd_type = dtype;
   call.batch = batch;
-  call.stride_a = call.stride_b = s * s;
-  call.stride_c = call.stride_d = tiles.packed_elements();
+  call.stride_a = call.stride_b = call.stride_c = call.stride_d = s * s;
   tile_products(
       backend, tiles, 0, tiles.blocks(), call,
       [&](int i, int j) {  // A[rows of block i, :] B[:, columns of block j]
         GemmOperands tile;
-        const int64_t packed_offset = tiles.tile_offset(i, j) * accumulate_element;
         tile.a = byte_offset(a, tiles.start(i) * element);
         tile.b = byte_offset(b, tiles.start(j) * s * element);
-        tile.c = beta != 0.0 ? byte_offset(c, packed_offset) : nullptr;
-        tile.d = byte_offset(d, packed_offset);
+        tile.d = byte_offset(d, (tiles.start(i) + tiles.start(j) * s) * element);
         return tile;
       },
       stream);
+  backend.mirror_lower(d, dtype, s, batch, SymmetricDiagonal{}, stream);
 }
 
 // P = a I + b A + c A A from A (storage dtype, full, exactly symmetric): every lower tile is
@@ -567,7 +559,7 @@ void symmetric_product(Backend& backend, shardmuon_dtype dtype, const SymmetricT
 // quintic's first step maps 1 to 0.117 from terms of size 4 to 7), so rounding B = b A + c A A
 // on its own would lose up to 35x more accuracy than rounding P, whose size is the result's.
 void gram_polynomial(Backend& backend, shardmuon_dtype dtype, const Coefficients& coefficients,
-                     const IterationBuffers& buffers, Stream stream) {
+                     const IterationBuffers& buffers, void* poly, Stream stream) {
   const size_t element = element_size(dtype);
   const SymmetricTiles& tiles = buffers.tiles;
   const int64_t s = tiles.n;
@@ -588,7 +580,7 @@ void gram_polynomial(Backend& backend, shardmuon_dtype dtype, const Coefficients
         tile.a = byte_offset(a, tiles.start(i) * element);
         tile.b = byte_offset(a, tiles.start(j) * s * element);
         tile.c = byte_offset(a, offset);
-        tile.d = byte_offset(buffers.poly_full, offset);
+        tile.d = byte_offset(poly, offset);
         return tile;
       },
       stream);
@@ -599,7 +591,7 @@ void gram_polynomial(Backend& backend, shardmuon_dtype dtype, const Coefficients
   finish.scale = coefficients.b;
   finish.addend = a;
   finish.shift = coefficients.a;
-  backend.mirror_lower(buffers.poly_full, dtype, s, buffers.batch, finish, stream);
+  backend.mirror_lower(poly, dtype, s, buffers.batch, finish, stream);
 }
 
 // x_next = P X for this block's columns of X (P is symmetric, so in the transposed view
@@ -676,7 +668,8 @@ const void* iterate_on_x(Backend& backend, Communicator* comm, const NsProblem& 
     void* x_next = k + 1 == iterations && !staged ? data : buffers.x[(k + 1) % 2];
     gram_product(backend, comm, problem.dtype, padded, x, buffers, stream,
                  k == 0 ? exchange : nullptr);
-    gram_polynomial(backend, problem.dtype, problem.coefficients[k], buffers, stream);
+    gram_polynomial(backend, problem.dtype, problem.coefficients[k], buffers, buffers.poly_full,
+                    stream);
     apply_polynomial(backend, problem.dtype, padded, buffers.batch, buffers.poly_full, x, x_next,
                      stream, k + 1 == iterations ? exchange : nullptr);
     x = x_next;
@@ -693,15 +686,16 @@ const void* iterate_on_x(Backend& backend, Communicator* comm, const NsProblem& 
 const void* iterate_on_gram(Backend& backend, Communicator* comm, const NsProblem& problem,
                             const IterationBuffers& buffers, void* data, bool staged,
                             PiecewiseExchange* exchange, Stream stream) {
-  const shardmuon_dtype dtype = problem.dtype, accumulate = accumulate_dtype(dtype);
+  const shardmuon_dtype dtype = problem.dtype;
   const WideBlock& padded = buffers.padded;
   const SymmetricTiles& tiles = buffers.tiles;
   const size_t iterations = problem.coefficients.size();
   const size_t restart =
       static_cast<size_t>(gram_iteration_restart(dtype, static_cast<int>(iterations)));
   const int64_t batch = buffers.batch;
-  const size_t full_bytes = static_cast<size_t>(padded.s * padded.s * batch) * element_size(dtype);
+  // M and a spare full matrix trade places after M <- Q M, which cannot run in place.
   void* m = buffers.product_full;
+  void* spare = buffers.other_full;
   const void* x = buffers.x[0];
   int next_x = 1;
   for (size_t k = 0; k < iterations; ++k) {
@@ -710,24 +704,16 @@ const void* iterate_on_gram(Backend& backend, Communicator* comm, const NsProble
     if (first) {  // R
       gram_product(backend, comm, dtype, padded, x, buffers, stream, k == 0 ? exchange : nullptr);
     }
-    gram_polynomial(backend, dtype, problem.coefficients[k], buffers, stream);  // Q
-    if (first) {                                                                // M = Q
-      backend.copy_2d(m, full_bytes, buffers.poly_full, full_bytes, full_bytes, 1, stream);
-    } else {  // M <- Q M
-      symmetric_product(backend, dtype, tiles, batch, buffers.poly_full, m, 1.0, 0.0, nullptr,
-                        buffers.work_packed, stream);
-      backend.unpack_symmetric(buffers.work_packed, accumulate, tiles, batch, m, dtype, 0.0,
-                               stream);
+    // Q, at a restart straight into M (M = Q).
+    void* q = first ? m : buffers.poly_full;
+    gram_polynomial(backend, dtype, problem.coefficients[k], buffers, q, stream);
+    if (!first) {  // M <- Q M
+      symmetric_product(backend, dtype, tiles, batch, q, m, spare, stream);
+      std::swap(m, spare);
     }
     if (!last) {  // R <- Q (R Q)
-      symmetric_product(backend, dtype, tiles, batch, buffers.gram_full, buffers.poly_full, 1.0,
-                        0.0, nullptr, buffers.work_packed, stream);
-      backend.unpack_symmetric(buffers.work_packed, accumulate, tiles, batch, buffers.other_full,
-                               dtype, 0.0, stream);
-      symmetric_product(backend, dtype, tiles, batch, buffers.poly_full, buffers.other_full, 1.0,
-                        0.0, nullptr, buffers.gram_packed, stream);
-      backend.unpack_symmetric(buffers.gram_packed, accumulate, tiles, batch, buffers.gram_full,
-                               dtype, 0.0, stream);
+      symmetric_product(backend, dtype, tiles, batch, buffers.gram_full, q, spare, stream);
+      symmetric_product(backend, dtype, tiles, batch, q, spare, buffers.gram_full, stream);
       continue;
     }
     // X <- M X, at a restart or at the end.

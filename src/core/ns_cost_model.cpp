@@ -66,18 +66,16 @@ double iterations_seconds(int64_t s, int64_t length, int ranks, const NsCostInpu
   if (inputs.gram_iteration_restart <= 0) {
     return inputs.iterations * (gram + products.square + products.apply + 2 * products.unpack);
   }
-  // Every symmetric product is completed for the next; M = Q is a copy of Q.
+  // Every symmetric product is completed for the next; at a restart Q is written as M.
   const double square = products.square + products.unpack;
-  const double sd = static_cast<double>(padded_extent(s));
-  const double copy = 2 * machine.element_bytes * sd * sd / machine.memory_bytes_per_second;
   const int restart = inputs.gram_iteration_restart;
   double seconds = 0.0;
   for (int k = 0; k < inputs.iterations; ++k) {
     const bool first = k % restart == 0;
     const bool last = k + 1 == inputs.iterations || (k + 1) % restart == 0;
-    seconds += square;                                          // Q = a I + b R + c R R
-    seconds += first ? gram + products.unpack + copy : square;  // R from X and M = Q, or M <- Q M
-    seconds += last ? products.apply : 2 * square;              // X <- M X, or R <- Q (R Q)
+    seconds += square;                                   // Q = a I + b R + c R R
+    seconds += first ? gram + products.unpack : square;  // R from X, or M <- Q M
+    seconds += last ? products.apply : 2 * square;       // X <- M X, or R <- Q (R Q)
   }
   return seconds;
 }
