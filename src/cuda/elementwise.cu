@@ -87,17 +87,7 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t begin = blockIdx.x * chunk_length;
   const int64_t end = begin + chunk_length < count ? begin + chunk_length : count;
   float partial = 0.0f;
-  // Four loads in flight per thread, added in the order of the plain loop below.
-  int64_t i = begin + threadIdx.x;
-  for (; i + 3 * kThreads < end; i += 4 * kThreads) {
-    const float v0 = to_float(vector[i]), v1 = to_float(vector[i + kThreads]);
-    const float v2 = to_float(vector[i + 2 * kThreads]), v3 = to_float(vector[i + 3 * kThreads]);
-    partial += v0 * v0;
-    partial += v1 * v1;
-    partial += v2 * v2;
-    partial += v3 * v3;
-  }
-  for (; i < end; i += kThreads) {
+  for (int64_t i = begin + threadIdx.x; i < end; i += kThreads) {
     const float value = to_float(vector[i]);
     partial += value * value;
   }
