@@ -269,8 +269,7 @@ class CudaBackend final : public Backend {
 
   void copy_2d(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t row_bytes,
                size_t rows, Stream stream) override {
-    SHARDMUON_CUDA(cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, row_bytes, rows,
-                                     cudaMemcpyDeviceToDevice, as_cuda(stream)));
+    copy_2d_cuda(dst, dst_pitch, src, src_pitch, row_bytes, rows, as_cuda(stream));
   }
 
   void fill_zero(void* dst, size_t bytes, Stream stream) override {

@@ -30,6 +30,12 @@ void mirror_lower_cuda(void* matrix, shardmuon_dtype dtype, int64_t n, int64_t b
 void column_squares_cuda(const void* matrix, shardmuon_dtype dtype, int64_t n, int64_t batch,
                          void* squares, cudaStream_t stream);
 
+// Backend::copy_2d between device buffers: `rows` rows of row_bytes each. A kernel moving the
+// widest unit that divides both pointers, both pitches and row_bytes; cudaMemcpy2DAsync
+// where that is 16 bytes or there is one row.
+void copy_2d_cuda(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t row_bytes,
+                  size_t rows, cudaStream_t stream);
+
 // The pointer arrays of a cuBLASLt pointer-array batch: product p's matrix m (of a strided
 // batch of `batch`) is entry p * batch + m, at its pointer plus m times the stride (bytes).
 // The operands travel as kernel arguments, so a captured graph replays the same arrays.
