@@ -382,6 +382,16 @@ __global__ void fill_pointer_arrays_kernel(const PointerArraySource source, void
   }
 }
 
+template <typename T>
+void launch_divide_by_norm(const T* x, T* y, int64_t count, dim3 grid, bool vectors,
+                           const float* sums, float eps, cudaStream_t stream) {
+  if (vectors) {
+    divide_by_norm_vector_kernel<<<grid, kThreads, 0, stream>>>(x, y, count, sums, eps);
+  } else {
+    divide_by_norm_kernel<<<grid, kThreads, 0, stream>>>(x, y, count, sums, eps);
+  }
+}
+
 // Rows of `units` Units each, one thread block per row at a time.
 template <typename Unit>
 __global__ void copy_rows_kernel(char* dst, size_t dst_pitch, const char* src, size_t src_pitch,
@@ -484,21 +494,11 @@ void divide_by_norm_cuda(const void* x, void* y, shardmuon_dtype dtype, int64_t 
   const dim3 grid(static_cast<unsigned int>(per_vector), static_cast<unsigned int>(batch));
   const float epsilon = static_cast<float>(eps);
   if (dtype == SHARDMUON_BFLOAT16) {
-    const auto* in = static_cast<const __nv_bfloat16*>(x);
-    auto* out = static_cast<__nv_bfloat16*>(y);
-    if (vectors) {
-      divide_by_norm_vector_kernel<<<grid, kThreads, 0, stream>>>(in, out, count, sums, epsilon);
-    } else {
-      divide_by_norm_kernel<<<grid, kThreads, 0, stream>>>(in, out, count, sums, epsilon);
-    }
+    launch_divide_by_norm(static_cast<const __nv_bfloat16*>(x), static_cast<__nv_bfloat16*>(y),
+                          count, grid, vectors, sums, epsilon, stream);
   } else {
-    const auto* in = static_cast<const float*>(x);
-    auto* out = static_cast<float*>(y);
-    if (vectors) {
-      divide_by_norm_vector_kernel<<<grid, kThreads, 0, stream>>>(in, out, count, sums, epsilon);
-    } else {
-      divide_by_norm_kernel<<<grid, kThreads, 0, stream>>>(in, out, count, sums, epsilon);
-    }
+    launch_divide_by_norm(static_cast<const float*>(x), static_cast<float*>(y), count, grid,
+                          vectors, sums, epsilon, stream);
   }
   check_launch("divide_by_norm_kernel");
 }

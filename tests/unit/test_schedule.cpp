@@ -13,6 +13,27 @@ namespace {
 
 class Schedules : public DistributedTest {};
 
+// What shardmuon_ns_plan and shardmuon_ns_plan_gram_iteration report for these arguments
+// (the default options otherwise).
+struct ReportedPlan {
+  shardmuon_ns_algorithm algorithm = SHARDMUON_NS_AUTO;
+  int gram_iteration = -1;
+};
+ReportedPlan plan_of(int64_t rows, int64_t cols, shardmuon_partition partition, int ranks,
+                     shardmuon_ns_algorithm requested) {
+  shardmuon_ns_options options;
+  shardmuon_ns_options_default(&options);
+  options.algorithm = requested;
+  const shardmuon_layout layout{rows, cols, partition, ranks, nullptr};
+  ReportedPlan plan;
+  EXPECT_EQ(shardmuon_ns_plan(&layout, ranks, &options, &plan.algorithm), SHARDMUON_SUCCESS)
+      << shardmuon_last_error();
+  EXPECT_EQ(shardmuon_ns_plan_gram_iteration(&layout, ranks, &options, &plan.gram_iteration),
+            SHARDMUON_SUCCESS)
+      << shardmuon_last_error();
+  return plan;
+}
+
 TEST_F(Schedules, TablesAndRulesMatchTheDesign) {
   for (shardmuon_schedule schedule :
        {SHARDMUON_SCHEDULE_SIMPLE, SHARDMUON_SCHEDULE_QUINTIC, SHARDMUON_SCHEDULE_POLAR_EXPRESS,
@@ -66,14 +87,9 @@ TEST_F(Schedules, CustomCoefficientsAndNames) {
 TEST_F(Schedules, PlansFollowTheLayout) {
   shardmuon_ns_options options;
   shardmuon_ns_options_default(&options);
-  auto plan = [&](int64_t rows, int64_t cols, shardmuon_partition partition, int ranks,
-                  shardmuon_ns_algorithm requested) {
-    shardmuon_layout layout{rows, cols, partition, ranks, nullptr};
-    options.algorithm = requested;
-    shardmuon_ns_algorithm chosen;
-    EXPECT_EQ(shardmuon_ns_plan(&layout, ranks, &options, &chosen), SHARDMUON_SUCCESS)
-        << shardmuon_last_error();
-    return chosen;
+  auto plan = [](int64_t rows, int64_t cols, shardmuon_partition partition, int ranks,
+                 shardmuon_ns_algorithm requested) {
+    return plan_of(rows, cols, partition, ranks, requested).algorithm;
   };
   const shardmuon_ns_algorithm gram = SHARDMUON_NS_GRAM_ALLREDUCE;
   // Wide matrix: the long side is the columns.
@@ -141,17 +157,9 @@ TEST_F(Schedules, PlansFollowTheLayout) {
 }
 
 TEST_F(Schedules, AutoRunsTheGramIterationWhereItIsCheaper) {
-  shardmuon_ns_options options;
-  shardmuon_ns_options_default(&options);
-  auto gram_iteration = [&](int64_t rows, int64_t cols, shardmuon_partition partition, int ranks,
-                            shardmuon_ns_algorithm requested) {
-    shardmuon_layout layout{rows, cols, partition, ranks, nullptr};
-    options.algorithm = requested;
-    int chosen = -1;
-    EXPECT_EQ(shardmuon_ns_plan_gram_iteration(&layout, ranks, &options, &chosen),
-              SHARDMUON_SUCCESS)
-        << shardmuon_last_error();
-    return chosen;
+  auto gram_iteration = [](int64_t rows, int64_t cols, shardmuon_partition partition, int ranks,
+                           shardmuon_ns_algorithm requested) {
+    return plan_of(rows, cols, partition, ranks, requested).gram_iteration;
   };
   const shardmuon_ns_algorithm automatic = SHARDMUON_NS_AUTO;
   // A long side several times the short one: (e), on one rank and on two, either dim.
@@ -168,8 +176,9 @@ TEST_F(Schedules, AutoRunsTheGramIterationWhereItIsCheaper) {
   EXPECT_EQ(gram_iteration(4096, 14336, SHARDMUON_SHARDED_DIM1, 2, SHARDMUON_NS_GRAM_ALLREDUCE), 0);
   EXPECT_EQ(gram_iteration(64, 64, SHARDMUON_REPLICATED, 1, SHARDMUON_NS_GRAM_NEWTON_SCHULZ), 1);
   // Bad arguments name themselves.
+  shardmuon_ns_options options;
+  shardmuon_ns_options_default(&options);
   shardmuon_layout layout{64, 64, SHARDMUON_REPLICATED, 1, nullptr};
-  options.algorithm = automatic;
   EXPECT_EQ(shardmuon_ns_plan_gram_iteration(&layout, 1, &options, nullptr),
             SHARDMUON_ERROR_INVALID_ARGUMENT);
   EXPECT_NE(std::string(shardmuon_last_error()).find("gram_iteration"), std::string::npos);
