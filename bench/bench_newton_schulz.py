@@ -160,30 +160,38 @@ def measure_rates(timer, world):
     return rates
 
 
-def triangle_elements(s, target=None, max_blocks=16):
-    """Elements of the packed lower block columns: mirrors SymmetricTiles::split and the
-    CUDA backend's block target (src/core/symmetric_tiles.h, src/cuda/cuda_backend.cpp)."""
+def triangle_elements(s, target=None, max_blocks=16, columns_per_launch=4):
+    """Elements of the packed lower block columns, and of the last group of block columns
+    that a summed Gram all-reduces last: mirrors SymmetricTiles::split, the CUDA backend's
+    block target and kGramColumnsPerLaunch (src/core/symmetric_tiles.h,
+    src/cuda/cuda_backend.cpp, src/core/ns_cost_model.h)."""
     if target is None:
-        target = int(os.environ.get("SHARDMUON_SYMMETRIC_BLOCK", "1024"))
+        target = int(os.environ.get("SHARDMUON_SYMMETRIC_BLOCK", "512"))
     blocks = min(max(s // target, 1), max_blocks)
+    for fewer in range(blocks, max(2, blocks // 2) - 1, -1):  # fewer blocks of one width
+        if s % (32 * fewer) == 0:
+            blocks = fewer
+            break
     width = (s // blocks) // 32 * 32
     if width == 0:
         blocks = 1
     starts = [j * width for j in range(blocks)] + [s]
-    return sum((s - starts[j]) * (starts[j + 1] - starts[j]) for j in range(blocks)), s - starts[-2]
+    columns = [(s - starts[j]) * (starts[j + 1] - starts[j]) for j in range(blocks)]
+    last_group = (blocks - 1) // columns_per_launch * columns_per_launch
+    return sum(columns), sum(columns[last_group:])
 
 
 def floor_ms(s, length, iterations, rates, dtype_name, world, algorithm, gram_iteration=False,
              accumulate_bytes=4):
     """shardmuon's executed GEMM flops over the measured GEMM rate, plus the communication
-    it cannot hide: the last block column of each Gram all-reduce, and for (d) the first
+    it cannot hide: the last group of block columns of each Gram all-reduce, and for (d) the first
     piece of the exchange in and the last piece out (the library moves the shards in four
     pieces, each beside products). With gram_iteration, (e)'s products: per step Q = a I +
     b R + c R R, then the Gram of X at a restart or M <- Q M, then X <- M X at the end of a
     restart's span or R <- Q (R Q); it restarts every 2 steps (gram_iteration_restart in
     src/core/newton_schulz.h) and sums the Gram once per restart."""
     s, length = -(-s // 8) * 8, -(-length // 8) * 8  # the library pads to multiples of 8
-    packed, last_width = triangle_elements(s)
+    packed, last_group = triangle_elements(s)
     local_length = length / world if world > 1 else length
     gram, square, apply = 2 * packed * local_length, 2 * packed * s, 2 * s * s * local_length
     if gram_iteration:
@@ -198,7 +206,7 @@ def floor_ms(s, length, iterations, rates, dtype_name, world, algorithm, gram_it
     compute = flops / rates["gemm_" + dtype_name] * 1e3
     comm = 0.0
     if world > 1 and algorithm.startswith("gram"):
-        tail = last_width * last_width * accumulate_bytes
+        tail = last_group * accumulate_bytes
         comm += reductions * tail * 2 * (world - 1) / world / rates["all_reduce_bus"] * 1e3
         if algorithm.endswith("redistributed"):
             element = 2 if dtype_name == "bf16" else 4
