@@ -17,12 +17,6 @@ namespace shardmuon {
 
 using Stream = void*;
 
-// D = alpha * op(A) * op(B) + beta * C, all matrices column-major (BLAS convention):
-// op(A) is m x k, op(B) is k x n, C and D are m x n. A and B share one element type,
-// C and D another; products accumulate in float64 for float64 operands, float32 otherwise.
-// beta == 0 means C is not read. D must not alias A or B; it may alias C. With batch > 1, the
-// call is `batch` such products, matrix i of each operand at i * stride elements from its
-// pointer (a strided batch: many small matrices in one launch).
 // Where one product of a GemmCall's list lies (see GemmCall::products).
 struct GemmOperands {
   const void* a = nullptr;
@@ -31,6 +25,12 @@ struct GemmOperands {
   void* d = nullptr;
 };
 
+// D = alpha * op(A) * op(B) + beta * C, all matrices column-major (BLAS convention):
+// op(A) is m x k, op(B) is k x n, C and D are m x n. A and B share one element type,
+// C and D another; products accumulate in float64 for float64 operands, float32 otherwise.
+// beta == 0 means C is not read. D must not alias A or B; it may alias C. With batch > 1, the
+// call is `batch` such products, matrix i of each operand at i * stride elements from its
+// pointer (a strided batch: many small matrices in one launch).
 struct GemmCall {
   bool transpose_a = false, transpose_b = false;
   int64_t m = 0, n = 0, k = 0;

@@ -521,31 +521,39 @@ void gram_product(Backend& backend, Communicator* comm, shardmuon_dtype dtype,
   local_gram_product(backend, dtype, block, x, buffers, stream);
 }
 
-// d = A B (full, storage dtype) for full s x s operands A and B whose product is symmetric:
-// products of polynomials in the same Gram matrix, which commute. Every lower tile in one
-// launch, written rounded where it lies in d, then the upper triangle mirrored from the lower
-// one. d must not be A or B. Over a batch, matrix i of each is i full matrices on.
+// d = alpha A B + beta C (full s x s, storage dtype; C is read only where beta != 0) for
+// operands whose product is symmetric: A A, or products of polynomials in the same Gram matrix,
+// which commute. Every lower tile in one launch, written rounded where it lies in d; then the
+// pass that mirrors the lower triangle to the upper one, after `diagonal` (when it has
+// squares) has set the diagonal. d must not be A or B. Over a batch, matrix i of each is i
+// full matrices on.
 void symmetric_product(Backend& backend, shardmuon_dtype dtype, const SymmetricTiles& tiles,
-                       int64_t batch, const void* a, const void* b, void* d, Stream stream) {
+                       int64_t batch, const void* a, const void* b, void* d, Stream stream,
+                       double alpha = 1.0, double beta = 0.0, const void* c = nullptr,
+                       const SymmetricDiagonal& diagonal = SymmetricDiagonal{}) {
   const size_t element = element_size(dtype);
   const int64_t s = tiles.n;
   GemmCall call;
   call.k = s;
+  call.alpha = alpha;
+  call.beta = beta;
   call.lda = call.ldb = call.ldc = call.ldd = s;
   call.ab_type = call.cd_type = dtype;
   call.batch = batch;
   call.stride_a = call.stride_b = call.stride_c = call.stride_d = s * s;
   tile_products(
       backend, tiles, 0, tiles.blocks(), call,
-      [&](int i, int j) {  // A[rows of block i, :] B[:, columns of block j]
+      [&](int i, int j) {  // alpha A[rows of block i, :] B[:, columns of block j] + beta C[i, j]
         GemmOperands tile;
+        const int64_t offset = (tiles.start(i) + tiles.start(j) * s) * element;
         tile.a = byte_offset(a, tiles.start(i) * element);
         tile.b = byte_offset(b, tiles.start(j) * s * element);
-        tile.d = byte_offset(d, (tiles.start(i) + tiles.start(j) * s) * element);
+        tile.c = beta != 0.0 ? byte_offset(c, offset) : nullptr;
+        tile.d = byte_offset(d, offset);
         return tile;
       },
       stream);
-  backend.mirror_lower(d, dtype, s, batch, SymmetricDiagonal{}, stream);
+  backend.mirror_lower(d, dtype, s, batch, diagonal, stream);
 }
 
 // P = a I + b A + c A A from A (storage dtype, full, exactly symmetric): every lower tile is
@@ -560,38 +568,16 @@ void symmetric_product(Backend& backend, shardmuon_dtype dtype, const SymmetricT
 // on its own would lose up to 35x more accuracy than rounding P, whose size is the result's.
 void gram_polynomial(Backend& backend, shardmuon_dtype dtype, const Coefficients& coefficients,
                      const IterationBuffers& buffers, void* poly, Stream stream) {
-  const size_t element = element_size(dtype);
-  const SymmetricTiles& tiles = buffers.tiles;
-  const int64_t s = tiles.n;
   const void* a = buffers.gram_full;
-  GemmCall call;
-  call.k = s;
-  call.alpha = coefficients.c;
-  call.beta = coefficients.b;
-  call.lda = call.ldb = call.ldc = call.ldd = s;
-  call.ab_type = call.cd_type = dtype;
-  call.batch = buffers.batch;
-  call.stride_a = call.stride_b = call.stride_c = call.stride_d = s * s;
-  tile_products(
-      backend, tiles, 0, tiles.blocks(), call,
-      [&](int i, int j) {  // c A[rows of block i, :] A[:, columns of block j] + b A[i, j]
-        GemmOperands tile;
-        const int64_t offset = (tiles.start(i) + tiles.start(j) * s) * element;
-        tile.a = byte_offset(a, tiles.start(i) * element);
-        tile.b = byte_offset(a, tiles.start(j) * s * element);
-        tile.c = byte_offset(a, offset);
-        tile.d = byte_offset(poly, offset);
-        return tile;
-      },
-      stream);
-  backend.column_squares(a, dtype, s, buffers.batch, buffers.column_squares, stream);
+  backend.column_squares(a, dtype, buffers.tiles.n, buffers.batch, buffers.column_squares, stream);
   SymmetricDiagonal finish;
   finish.squares = buffers.column_squares;
   finish.square_scale = coefficients.c;
   finish.scale = coefficients.b;
   finish.addend = a;
   finish.shift = coefficients.a;
-  backend.mirror_lower(poly, dtype, s, buffers.batch, finish, stream);
+  symmetric_product(backend, dtype, buffers.tiles, buffers.batch, a, a, poly, stream,
+                    coefficients.c, coefficients.b, a, finish);
 }
 
 // x_next = P X for this block's columns of X (P is symmetric, so in the transposed view
