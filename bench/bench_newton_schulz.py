@@ -181,12 +181,14 @@ def triangle_elements(s, target=None, max_blocks=16, columns_per_launch=4):
     return sum(columns), sum(columns[last_group:])
 
 
-def floor_ms(s, length, iterations, rates, dtype_name, world, algorithm, gram_iteration=False,
-             accumulate_bytes=4):
+def floor_ms(s, length, iterations, rates, dtype_name, world, algorithm, gram_iteration=False):
     """shardmuon's executed GEMM flops over the measured GEMM rate, plus the communication
-    it cannot hide: the last group of block columns of each Gram all-reduce, and for (d) the first
-    piece of the exchange in and the last piece out (the library moves the shards in four
-    pieces, each beside products). With gram_iteration, (e)'s products: per step Q = a I +
+    it cannot hide. A summed Gram's all-reduce can only overlap the Gram's own products (what
+    follows needs the sum), so per reduction at least the last group of block columns, and
+    at least the whole all-reduce less the Gram's products, is in the open; it moves bf16 for
+    bf16 (gram_sum_dtype in src/core/newton_schulz.cpp), float32 for float32. For (d) also the
+    first piece of the exchange in and the last piece out (the library moves the shards in
+    four pieces, each beside products). With gram_iteration, (e)'s products: per step Q = a I +
     b R + c R R, then the Gram of X at a restart or M <- Q M, then X <- M X at the end of a
     restart's span or R <- Q (R Q); it restarts every 2 steps (gram_iteration_restart in
     src/core/newton_schulz.h) and sums the Gram once per restart."""
@@ -203,11 +205,14 @@ def floor_ms(s, length, iterations, rates, dtype_name, world, algorithm, gram_it
     else:
         flops = iterations * (gram + square + apply)
         reductions = iterations
-    compute = flops / rates["gemm_" + dtype_name] * 1e3
+    rate = rates["gemm_" + dtype_name]
+    compute = flops / rate * 1e3
     comm = 0.0
     if world > 1 and algorithm.startswith("gram"):
-        tail = last_group * accumulate_bytes
-        comm += reductions * tail * 2 * (world - 1) / world / rates["all_reduce_bus"] * 1e3
+        sum_bytes = 2 if dtype_name == "bf16" else 4
+        ring = 2 * (world - 1) / world / rates["all_reduce_bus"] * 1e3
+        exposed = max(last_group * sum_bytes * ring, packed * sum_bytes * ring - gram / rate * 1e3)
+        comm += reductions * exposed
         if algorithm.endswith("redistributed"):
             element = 2 if dtype_name == "bf16" else 4
             pieces = 4  # kExchangePieces in src/core/ns_cost_model.h

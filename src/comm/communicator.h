@@ -46,10 +46,13 @@ class Communicator {
   // (MPI moves host memory, NCCL device memory of the context's device).
   virtual void check_compatible(const Backend& backend) const = 0;
 
-  // In place, element-wise sum over the group of count float32 or float64 values. Every
-  // rank receives the same result.
+  // In place, element-wise sum over the group of count float32 or float64 values, or
+  // bfloat16 values where sums_bfloat16(). Every rank receives the same result.
   virtual void all_reduce_sum(void* buffer, int64_t count, shardmuon_dtype dtype,
                               Stream stream) = 0;
+  // Whether all_reduce_sum takes bfloat16 (each addition in float32, rounded). Callback
+  // communicators do not: their ABI promises float32 or float64.
+  virtual bool sums_bfloat16() const { return false; }
 
   // buffer holds size() blocks of block_bytes; on entry block rank() holds this rank's
   // contribution, on exit every block holds its rank's contribution.

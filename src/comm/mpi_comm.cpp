@@ -8,6 +8,7 @@
 #include <string>
 
 #include "comm/factories.h"
+#include "core/dtype.h"
 #include "core/error.h"
 
 namespace shardmuon {
@@ -29,6 +30,16 @@ int checked_count(size_t count, const char* what) {
   return static_cast<int>(count);
 }
 
+// MPI has no bfloat16: a user-defined sum over 16-bit words, each addition in float32 and
+// rounded, as NCCL sums bfloat16.
+void sum_bfloat16(void* in, void* inout, int* length, MPI_Datatype*) {
+  const uint16_t* a = static_cast<const uint16_t*>(in);
+  uint16_t* b = static_cast<uint16_t*>(inout);
+  for (int i = 0; i < *length; ++i) {
+    b[i] = float_to_bf16_bits(bf16_bits_to_float(a[i]) + bf16_bits_to_float(b[i]));
+  }
+}
+
 class MpiCommunicator final : public Communicator {
  public:
   explicit MpiCommunicator(MPI_Comm caller_comm) {
@@ -37,11 +48,13 @@ class MpiCommunicator final : public Communicator {
     check_mpi(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
     check_mpi(MPI_Comm_rank(comm_, &rank_), "MPI_Comm_rank");
     check_mpi(MPI_Comm_size(comm_, &size_), "MPI_Comm_size");
+    check_mpi(MPI_Op_create(&sum_bfloat16, /*commute=*/1, &sum_bfloat16_), "MPI_Op_create");
   }
   ~MpiCommunicator() override {
     int finalized = 0;
     MPI_Finalized(&finalized);
     if (finalized) return;
+    MPI_Op_free(&sum_bfloat16_);
     // A timed-out exchange may still be pending. MPI can neither cancel nor free an active
     // collective request, and Open MPI crashes if the communicator of a pending nonblocking
     // collective is freed (seen with 4.1), so both are then left to MPI until it finalizes.
@@ -67,17 +80,23 @@ class MpiCommunicator final : public Communicator {
   }
 
   void all_reduce_sum(void* buffer, int64_t count, shardmuon_dtype dtype, Stream) override {
-    const MPI_Datatype type = dtype == SHARDMUON_FLOAT64 ? MPI_DOUBLE : MPI_FLOAT;
-    const size_t element = dtype == SHARDMUON_FLOAT64 ? 8 : 4;
+    const bool bfloat16 = dtype == SHARDMUON_BFLOAT16;
+    const MPI_Datatype type = dtype == SHARDMUON_FLOAT64 ? MPI_DOUBLE
+                              : bfloat16                 ? MPI_UINT16_T
+                                                         : MPI_FLOAT;
+    const MPI_Op sum = bfloat16 ? sum_bfloat16_ : MPI_SUM;
+    const size_t element = element_size(dtype);
     // Large buffers go in pieces: MPI counts are int.
     for (int64_t done = 0; done < count;) {
       const int piece = static_cast<int>(std::min<int64_t>(count - done, INT_MAX));
       check_mpi(MPI_Allreduce(MPI_IN_PLACE, static_cast<char*>(buffer) + done * element, piece,
-                              type, MPI_SUM, comm_),
+                              type, sum, comm_),
                 "MPI_Allreduce");
       done += piece;
     }
   }
+
+  bool sums_bfloat16() const override { return true; }
 
   void all_gather_in_place(void* buffer, size_t block_bytes, Stream) override {
     const int count = checked_count(block_bytes, "all-gather block bytes");
@@ -131,6 +150,7 @@ class MpiCommunicator final : public Communicator {
   std::unique_ptr<int64_t[]> exchange_ = std::make_unique<int64_t[]>(kMaxAgreementValues);
   MPI_Request pending_ = MPI_REQUEST_NULL;
   MPI_Comm comm_ = MPI_COMM_NULL;
+  MPI_Op sum_bfloat16_ = MPI_OP_NULL;
   int rank_ = 0, size_ = 1;
 };
 

@@ -85,10 +85,14 @@ class NcclCommunicator final : public Communicator {
   }
 
   void all_reduce_sum(void* buffer, int64_t count, shardmuon_dtype dtype, Stream stream) override {
-    const ncclDataType_t type = dtype == SHARDMUON_FLOAT64 ? ncclFloat64 : ncclFloat32;
+    const ncclDataType_t type = dtype == SHARDMUON_FLOAT64    ? ncclFloat64
+                                : dtype == SHARDMUON_BFLOAT16 ? ncclBfloat16
+                                                              : ncclFloat32;
     SHARDMUON_NCCL(ncclAllReduce(buffer, buffer, static_cast<size_t>(count), type, ncclSum, comm_,
                                  static_cast<cudaStream_t>(stream)));
   }
+
+  bool sums_bfloat16() const override { return true; }
 
   void all_gather_in_place(void* buffer, size_t block_bytes, Stream stream) override {
     const char* own_block = static_cast<const char*>(buffer) + rank_ * block_bytes;

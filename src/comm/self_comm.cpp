@@ -11,6 +11,7 @@ class SelfCommunicator final : public Communicator {
   int size() const override { return 1; }
   void check_compatible(const Backend&) const override {}
   void all_reduce_sum(void*, int64_t, shardmuon_dtype, Stream) override {}
+  bool sums_bfloat16() const override { return true; }
   void all_gather_in_place(void*, size_t, Stream) override {}
   void all_to_all(const void*, const std::vector<size_t>&, const std::vector<size_t>&, void*,
                   const std::vector<size_t>&, const std::vector<size_t>&, Stream) override {

@@ -63,13 +63,13 @@ struct WideBlock {
 // polynomial P = a I + b A + c A A are symmetric: their products compute only the lower
 // block columns (SymmetricTiles), written rounded to the storage dtype where they lie in full
 // matrices whose upper triangles are then mirrored, as the operands of the next product. A
-// Gram summed over a group is instead kept packed in the accumulate dtype, all-reduced, and
+// Gram summed over a group is instead kept packed (in gram_sum_dtype), all-reduced, and
 // unpacked.
 struct IterationBuffers {
   WideBlock padded;  // what the products run on (WideBlock::padded)
   SymmetricTiles tiles;
   void* x[2];            // ping-pong iterates, storage dtype
-  void* gram_packed;     // A's lower tiles, accumulate dtype, summed over a group
+  void* gram_packed;     // A's lower tiles, gram_sum_dtype, summed over a group
   void* gram_full;       // A, storage dtype, the operand of A A
   void* column_squares;  // |A_:i|^2 for P's diagonal, accumulate dtype, s per matrix
   void* poly_full;       // P, storage dtype, the operand of P X
@@ -106,8 +106,10 @@ struct IterationSlots {
     const size_t full = static_cast<size_t>(s * s * batch);
     slots.x0 = carver.reserve(slots.padded.elements() * batch * storage);
     slots.x1 = carver.reserve(slots.padded.elements() * batch * storage);
-    // The packed Gram (accumulate dtype), summed over a group. A Gram on one rank, like every
-    // other product, is written straight into its full matrix.
+    // The packed Gram, summed over a group: room for the accumulate dtype, which is at least
+    // as wide as gram_sum_dtype (that depends on the communicator, which sizing does not
+    // see). A Gram on one rank, like every other product, is written straight into its full
+    // matrix.
     slots.gram_packed = carver.reserve(summed_gram ? packed * accumulate : 0);
     slots.gram_full = carver.reserve(full * storage);
     slots.column_squares = carver.reserve(static_cast<size_t>(s * batch) * accumulate);
@@ -439,9 +441,20 @@ void local_gram_product(Backend& backend, shardmuon_dtype dtype, const WideBlock
   backend.mirror_lower(buffers.gram_full, dtype, s, buffers.batch, SymmetricDiagonal{}, stream);
 }
 
+// The dtype a Gram summed over a group is written, all-reduced and unpacked in: bfloat16 for
+// bfloat16 storage where the communicator sums bfloat16, else the accumulate dtype. bfloat16
+// moves half the bytes, and the products that follow read the Gram rounded to bfloat16 anyway;
+// it rounds each rank's partial Gram once more. On 2 H200s (docs/BENCHMARKS.md, ninth session)
+// a 4096^2 call went from 2.67 to 2.29 ms and 3001 x 10007 from 2.20 to 1.95 ms, the errors
+// against float64 from 5.56e-3 to 5.85e-3 and 4.49e-3 to 4.86e-3 (tolerance 3e-2).
+shardmuon_dtype gram_sum_dtype(shardmuon_dtype dtype, const Communicator& comm) {
+  if (dtype == SHARDMUON_BFLOAT16 && comm.sums_bfloat16()) return dtype;
+  return accumulate_dtype(dtype);
+}
+
 // A = X X^T summed over the group, from this rank's block of X's columns (the partial Gram
-// of a long-side block): lower tiles only, packed in the accumulate dtype, then unpacked for
-// the next product. The block columns are summed kGramColumnsPerLaunch at a time, each group
+// of a long-side block): lower tiles only, packed in gram_sum_dtype, then unpacked for the
+// next product. The block columns are summed kGramColumnsPerLaunch at a time, each group
 // as soon as its tiles are computed, on the backend's side stream, so that one group's
 // reduction overlaps the products of the next. With arrivals, X arrives piece by piece of
 // the long side and each piece's products (summed into the tiles) run while the next piece
@@ -449,8 +462,8 @@ void local_gram_product(Backend& backend, shardmuon_dtype dtype, const WideBlock
 void summed_gram_product(Backend& backend, Communicator& comm, shardmuon_dtype dtype,
                          const WideBlock& block, const void* x, const IterationBuffers& buffers,
                          Stream stream, PiecewiseExchange* arrivals) {
-  const shardmuon_dtype accumulate = accumulate_dtype(dtype);
-  const size_t element = element_size(dtype), accumulate_element = element_size(accumulate);
+  const shardmuon_dtype sum_type = gram_sum_dtype(dtype, comm);
+  const size_t element = element_size(dtype), sum_element = element_size(sum_type);
   const SymmetricTiles& tiles = buffers.tiles;
   const Stream side = backend.side_stream(stream);
   const int pieces = arrivals != nullptr ? arrivals->pieces() : 1;
@@ -464,7 +477,7 @@ void summed_gram_product(Backend& backend, Communicator& comm, shardmuon_dtype d
     if (arrivals != nullptr) arrivals->arrive(piece, stream);
     const bool last_piece = piece + 1 == pieces, empty = range.second == range.first;
     if (last_piece && !written && empty) {  // an empty block contributes nothing to the sum
-      backend.fill_zero(buffers.gram_packed, tiles.packed_elements() * accumulate_element, stream);
+      backend.fill_zero(buffers.gram_packed, tiles.packed_elements() * sum_element, stream);
     }
     for (int first = 0; first < tiles.blocks(); first += kGramColumnsPerLaunch) {
       const int last = std::min(tiles.blocks(), first + kGramColumnsPerLaunch);
@@ -474,7 +487,7 @@ void summed_gram_product(Backend& backend, Communicator& comm, shardmuon_dtype d
         call.k = range.second - range.first;
         call.beta = written ? 1.0 : 0.0;
         call.ab_type = dtype;
-        call.cd_type = accumulate;
+        call.cd_type = sum_type;
         call.batch = buffers.batch;
         call.stride_a = call.stride_b = block.elements();
         call.stride_c = call.stride_d = tiles.packed_elements();
@@ -488,7 +501,7 @@ void summed_gram_product(Backend& backend, Communicator& comm, shardmuon_dtype d
               GemmOperands tile;
               tile.a = byte_offset(x, operand.row_offset(tiles.start(i)) * element);
               tile.b = byte_offset(x, operand.row_offset(tiles.start(j)) * element);
-              tile.d = byte_offset(packed, tiles.tile_offset(i, j) * accumulate_element);
+              tile.d = byte_offset(packed, tiles.tile_offset(i, j) * sum_element);
               tile.c = tile.d;
               return tile;
             },
@@ -496,15 +509,14 @@ void summed_gram_product(Backend& backend, Communicator& comm, shardmuon_dtype d
       }
       if (last_piece) {
         backend.order_after(side, stream);
-        char* column =
-            static_cast<char*>(buffers.gram_packed) + tiles.offset(first) * accumulate_element;
-        comm.all_reduce_sum(column, tiles.offset(last) - tiles.offset(first), accumulate, side);
+        char* column = static_cast<char*>(buffers.gram_packed) + tiles.offset(first) * sum_element;
+        comm.all_reduce_sum(column, tiles.offset(last) - tiles.offset(first), sum_type, side);
       }
     }
     written = written || !empty;
   }
   backend.order_after(stream, side);
-  backend.unpack_symmetric(buffers.gram_packed, accumulate, tiles, buffers.batch, buffers.gram_full,
+  backend.unpack_symmetric(buffers.gram_packed, sum_type, tiles, buffers.batch, buffers.gram_full,
                            dtype, 0.0, stream);
 }
 

@@ -49,10 +49,11 @@ double exposed_all_reduce_seconds(const ProductCosts& products, int ranks,
   if (ranks <= 1) return 0.0;
   const double ring = 2.0 * (ranks - 1) / ranks;
   const double bytes_per_second = machine.all_reduce_bus_bytes_per_second;
+  const double element = machine.gram_sum_bytes;
   const double all_reduce = products.groups * machine.seconds_per_collective +
-                            4 * products.packed_elements * ring / bytes_per_second;
-  const double last_group =
-      machine.seconds_per_collective + 4 * products.last_group_elements * ring / bytes_per_second;
+                            element * products.packed_elements * ring / bytes_per_second;
+  const double last_group = machine.seconds_per_collective +
+                            element * products.last_group_elements * ring / bytes_per_second;
   return std::max(all_reduce - products.gram, last_group);
 }
 

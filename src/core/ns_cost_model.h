@@ -22,6 +22,9 @@ struct MachineModel {
   double seconds_per_collective = 30e-6;
   int64_t symmetric_block_target = 512;
   int element_bytes = 2;  // bf16 storage
+  // A Gram summed over a group travels in bf16 (newton_schulz.cpp, gram_sum_dtype; a callback
+  // communicator sums float32, twice the bytes, which the model does not see).
+  int gram_sum_bytes = 2;
 };
 
 // (d) moves the shards to the long side and back in this many pieces of the long side, each

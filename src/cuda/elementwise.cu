@@ -116,9 +116,10 @@ int64_t chunks_per_vector(int64_t count, int64_t batch) {
 }
 
 // unpack_symmetric, one 64 x 64 tile pair per thread block: tile (I, J) of the lower triangle
-// (I >= J, in tiles; the grid holds only those) is read once from the packed tiles,
-// two rows per thread (8-byte loads down its columns), and written to its own place and,
-// transposed through shared memory, to tile (J, I), two rows per thread again. On a diagonal
+// (I >= J, in tiles; the grid holds only those) is read once from the packed tiles (float32,
+// or bfloat16 for a Gram summed in bfloat16), two rows per thread (one load of a pair down
+// its columns), and written to its own place and, transposed through shared memory, to tile
+// (J, I), two rows per thread again. On a diagonal
 // tile the entries above the diagonal come from their mirror images below it, so the result
 // is exactly symmetric. The side n is even (the products' sides are multiples of 8), so a
 // row pair never straddles the edge, and every pair starts at an even index of the packed
@@ -187,13 +188,26 @@ __device__ void lower_tile_of(int64_t k, int64_t& tile_row, int64_t& tile_col) {
   tile_col = k - tile_row * (tile_row + 1) / 2;
 }
 
-template <typename Destination>
+template <typename T>
+__device__ __forceinline__ float2 load_pair(const T* x, int64_t index) {
+  return make_float2(to_float(x[index]), to_float(x[index + 1]));
+}
+template <>
+__device__ __forceinline__ float2 load_pair(const __nv_bfloat16* x, int64_t index) {
+  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(x + index));
+}
+template <>
+__device__ __forceinline__ float2 load_pair(const float* x, int64_t index) {
+  return *reinterpret_cast<const float2*>(x + index);
+}
+
+template <typename Source, typename Destination>
 __global__ void __launch_bounds__(kThreadsX* kThreadsY)
-    unpack_symmetric_kernel(const float* packed_batch,
+    unpack_symmetric_kernel(const Source* packed_batch,
                             const __grid_constant__ PackedTriangle layout, Destination* dst_batch,
                             float shift) {
   // Matrix blockIdx.y of a batch.
-  const float* packed = packed_batch + blockIdx.y * layout.packed_elements;
+  const Source* packed = packed_batch + blockIdx.y * layout.packed_elements;
   Destination* dst = dst_batch + blockIdx.y * layout.n * layout.n;
   int64_t tile_row = 0, tile_col = 0;
   lower_tile_of(blockIdx.x, tile_row, tile_col);
@@ -221,13 +235,13 @@ __global__ void __launch_bounds__(kThreadsX* kThreadsY)
   for (int y = threadIdx.y; y < kTile; y += kThreadsY) {
     const int64_t c = col0 + y;
     if (r >= n || c >= n || r + 1 < c) continue;  // outside, or above the diagonal
-    const float* pair_start = packed + row.index(columns[y]);
+    const int64_t pair_start = row.index(columns[y]);
     if (r >= c) {
-      const float2 pair = *reinterpret_cast<const float2*>(pair_start);
+      const float2 pair = load_pair(packed, pair_start);
       tile[y][row_in_tile] = pair.x;
       tile[y][row_in_tile + 1] = pair.y;
     } else {  // r + 1 == c: only the second row is on or below the diagonal
-      tile[y][row_in_tile + 1] = pair_start[1];
+      tile[y][row_in_tile + 1] = to_float(packed[pair_start + 1]);
     }
   }
   __syncthreads();
@@ -252,19 +266,6 @@ __global__ void __launch_bounds__(kThreadsX* kThreadsY)
     if (upper_row >= n || upper_col >= n) continue;
     store_pair(dst, upper_col * n + upper_row, tile[row_in_tile][y], tile[row_in_tile + 1][y]);
   }
-}
-
-template <typename T>
-__device__ __forceinline__ float2 load_pair(const T* x, int64_t index) {
-  return make_float2(to_float(x[index]), to_float(x[index + 1]));
-}
-template <>
-__device__ __forceinline__ float2 load_pair(const __nv_bfloat16* x, int64_t index) {
-  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(x + index));
-}
-template <>
-__device__ __forceinline__ float2 load_pair(const float* x, int64_t index) {
-  return *reinterpret_cast<const float2*>(x + index);
 }
 
 // mirror_lower, one 64 x 64 tile pair per thread block as in unpack_symmetric_kernel: the lower
@@ -503,23 +504,35 @@ void divide_by_norm_cuda(const void* x, void* y, shardmuon_dtype dtype, int64_t 
   check_launch("divide_by_norm_kernel");
 }
 
+template <typename Source>
+void launch_unpack_symmetric(const Source* packed, const PackedTriangle& layout, dim3 grid,
+                             void* dst, shardmuon_dtype dst_type, float shift,
+                             cudaStream_t stream) {
+  const dim3 block(kThreadsX, kThreadsY);
+  if (dst_type == SHARDMUON_FLOAT32) {
+    unpack_symmetric_kernel<<<grid, block, 0, stream>>>(packed, layout, static_cast<float*>(dst),
+                                                        shift);
+  } else {
+    unpack_symmetric_kernel<<<grid, block, 0, stream>>>(packed, layout,
+                                                        static_cast<__nv_bfloat16*>(dst), shift);
+  }
+}
+
 void unpack_symmetric_cuda(const void* packed, shardmuon_dtype src_type,
                            const SymmetricTiles& tiles, int64_t batch, void* dst,
                            shardmuon_dtype dst_type, double shift, cudaStream_t stream) {
-  if (src_type != SHARDMUON_FLOAT32) {
-    fail(SHARDMUON_ERROR_INTERNAL, "unpack_symmetric_cuda takes float32 sources");
+  if (src_type != SHARDMUON_FLOAT32 && src_type != SHARDMUON_BFLOAT16) {
+    fail(SHARDMUON_ERROR_INTERNAL, "unpack_symmetric_cuda takes float32 or bfloat16 sources");
   }
   if (tiles.n == 0 || batch == 0) return;
   const PackedTriangle layout = packed_triangle_of(tiles);
   const dim3 grid = lower_tile_grid(tiles.n, batch);
-  const dim3 block(kThreadsX, kThreadsY);
-  const float* source = static_cast<const float*>(packed);
-  if (dst_type == SHARDMUON_FLOAT32) {
-    unpack_symmetric_kernel<<<grid, block, 0, stream>>>(source, layout, static_cast<float*>(dst),
-                                                        static_cast<float>(shift));
+  if (src_type == SHARDMUON_FLOAT32) {
+    launch_unpack_symmetric(static_cast<const float*>(packed), layout, grid, dst, dst_type,
+                            static_cast<float>(shift), stream);
   } else {
-    unpack_symmetric_kernel<<<grid, block, 0, stream>>>(
-        source, layout, static_cast<__nv_bfloat16*>(dst), static_cast<float>(shift));
+    launch_unpack_symmetric(static_cast<const __nv_bfloat16*>(packed), layout, grid, dst, dst_type,
+                            static_cast<float>(shift), stream);
   }
   check_launch("unpack_symmetric_kernel");
 }
