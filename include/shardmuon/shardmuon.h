@@ -470,6 +470,16 @@ SHARDMUON_API shardmuon_status shardmuon_muon_plan(
     int num_params, const shardmuon_muon_group* groups, int num_groups,
     shardmuon_ns_algorithm* algorithms, int* owners);
 
+/* Whether shardmuon_muon_step would run each parameter's Newton-Schulz as (e)'s Gram iteration
+ * (gram_iteration[i] = 1) or as the standard iteration (0), on the distribution
+ * shardmuon_muon_plan reports: under OWNER the owner's run on the whole matrix, for a stacked
+ * parameter its first block's. Always 1 where a group asks for GRAM_NEWTON_SCHULZ on one
+ * matrix, 0 under DUPLICATED or GRAM_ALLREDUCE; under AUTO, and for owners, the cost model's
+ * choice. Checked and computed as shardmuon_muon_plan, without communicating. */
+SHARDMUON_API shardmuon_status shardmuon_muon_plan_gram_iteration(
+    shardmuon_context_t context, shardmuon_comm_t comm, const shardmuon_muon_param* params,
+    int num_params, const shardmuon_muon_group* groups, int num_groups, int* gram_iteration);
+
 /* ------------------------------------------------------------------------------------------ */
 /* Optimizer checkpoints                                                                       */
 /* ------------------------------------------------------------------------------------------ */

@@ -2,6 +2,7 @@
 #include <exception>
 #include <new>
 #include <optional>
+#include <vector>
 
 #include "api/handles.h"
 #include "core/agreement.h"
@@ -9,6 +10,43 @@
 #include "core/muon_step.h"
 
 using shardmuon::api_guard;
+
+namespace {
+
+// What shardmuon_muon_step would run for each parameter, from a validated step: the reported
+// algorithm, the owner (-1 without one) and whether it runs (e).
+struct ParamRun {
+  shardmuon_ns_algorithm algorithm = SHARDMUON_NS_AUTO;
+  int owner = -1;
+  bool gram_iteration = false;
+};
+
+std::vector<ParamRun> planned_runs(shardmuon_context_t context, shardmuon_comm_t comm,
+                                   const shardmuon_muon_param* params, int num_params,
+                                   const shardmuon_muon_group* groups, int num_groups) {
+  shardmuon::Communicator& group = shardmuon::communicator_of(comm, "comm");
+  shardmuon::Backend& backend = shardmuon::backend_of(context, "context");
+  group.check_compatible(backend);
+  const shardmuon::ValidatedMuonStep step =
+      shardmuon::validate_muon_step(backend, group, params, num_params, groups, num_groups);
+  std::vector<ParamRun> runs(step.plans.size());
+  for (size_t i = 0; i < step.plans.size(); ++i) {
+    const shardmuon::MuonParamPlan& plan = step.plans[i];
+    const shardmuon::NsPlan& ns =
+        plan.row_blocks.empty() ? plan.ns.plan : plan.row_blocks.front().ns.plan;
+    runs[i].algorithm = shardmuon::reported_algorithm(ns);
+    runs[i].gram_iteration = ns.gram_iteration;
+    for (const shardmuon::OwnedMatrix& m : step.owned) {
+      if (m.param == i) {  // the first of its matrices
+        runs[i] = {SHARDMUON_NS_OWNER, m.owner, m.whole.plan.gram_iteration};
+        break;
+      }
+    }
+  }
+  return runs;
+}
+
+}  // namespace
 
 extern "C" {
 
@@ -83,27 +121,23 @@ shardmuon_status shardmuon_muon_plan(shardmuon_context_t context, shardmuon_comm
                                      const shardmuon_muon_group* groups, int num_groups,
                                      shardmuon_ns_algorithm* algorithms, int* owners) {
   return api_guard(__func__, [&] {
-    shardmuon::Communicator& group = shardmuon::communicator_of(comm, "comm");
-    shardmuon::Backend& backend = shardmuon::backend_of(context, "context");
-    group.check_compatible(backend);
-    const shardmuon::ValidatedMuonStep step =
-        shardmuon::validate_muon_step(backend, group, params, num_params, groups, num_groups);
-    for (size_t i = 0; i < step.plans.size(); ++i) {
-      const shardmuon::MuonParamPlan& plan = step.plans[i];
-      const shardmuon::NsPlan& ns =
-          plan.row_blocks.empty() ? plan.ns.plan : plan.row_blocks.front().ns.plan;
-      shardmuon_ns_algorithm algorithm = shardmuon::reported_algorithm(ns);
-      int owner = -1;
-      for (const shardmuon::OwnedMatrix& m : step.owned) {
-        if (m.param == i) {
-          owner = m.owner;
-          algorithm = SHARDMUON_NS_OWNER;
-          break;
-        }
-      }
-      if (algorithms != nullptr) algorithms[i] = algorithm;
-      if (owners != nullptr) owners[i] = owner;
+    const std::vector<ParamRun> runs =
+        planned_runs(context, comm, params, num_params, groups, num_groups);
+    for (size_t i = 0; i < runs.size(); ++i) {
+      if (algorithms != nullptr) algorithms[i] = runs[i].algorithm;
+      if (owners != nullptr) owners[i] = runs[i].owner;
     }
+  });
+}
+
+shardmuon_status shardmuon_muon_plan_gram_iteration(
+    shardmuon_context_t context, shardmuon_comm_t comm, const shardmuon_muon_param* params,
+    int num_params, const shardmuon_muon_group* groups, int num_groups, int* gram_iteration) {
+  return api_guard(__func__, [&] {
+    SHARDMUON_CHECK_ARG(gram_iteration != nullptr || num_params == 0, "gram_iteration is NULL");
+    const std::vector<ParamRun> runs =
+        planned_runs(context, comm, params, num_params, groups, num_groups);
+    for (size_t i = 0; i < runs.size(); ++i) gram_iteration[i] = runs[i].gram_iteration ? 1 : 0;
   });
 }
 

@@ -691,6 +691,88 @@ TEST_F(MuonStepBatches, PlannerChoicesAreReported) {
   }
 }
 
+// shardmuon_muon_plan_gram_iteration: which iteration each parameter runs. A lone matrix
+// runs what shardmuon_ns_plan_gram_iteration says for its layout (always (e) under
+// GRAM_NEWTON_SCHULZ, never under DUPLICATED or GRAM_ALLREDUCE); owners run (e) on long
+// matrices and the standard iteration on square ones.
+TEST_F(MuonStepBatches, PlannedGramIterationIsReported) {
+  for (int p = 2; p <= Harness::get().max_group_size(); ++p) {
+    const Group& group = Harness::get().group(p);
+    if (!group.member) continue;
+    shardmuon_muon_group g = to_api(ReferenceGroup{}, SHARDMUON_SCHEDULE_QUINTIC, 5);
+    auto gram_of = [&](std::vector<Parameter>& params, shardmuon_ns_algorithm algorithm) {
+      std::vector<shardmuon_muon_param> api = upload_parameters(params, group);
+      g.ns.algorithm = algorithm;
+      std::vector<int> gram(params.size(), -1);
+      EXPECT_EQ(
+          shardmuon_muon_plan_gram_iteration(Harness::get().context(), group.comm, api.data(),
+                                             static_cast<int>(api.size()), &g, 1, gram.data()),
+          SHARDMUON_SUCCESS)
+          << shardmuon_last_error();
+      return std::make_pair(gram, api);
+    };
+
+    std::vector<Parameter> lone;
+    lone.push_back(make_parameter(40, 1200, SHARDMUON_FLOAT32, SHARDMUON_SHARDED_DIM1, p, 400, 1));
+    for (shardmuon_ns_algorithm algorithm :
+         {SHARDMUON_NS_AUTO, SHARDMUON_NS_GRAM_NEWTON_SCHULZ, SHARDMUON_NS_DUPLICATED,
+          SHARDMUON_NS_GRAM_ALLREDUCE}) {
+      const auto [gram, api] = gram_of(lone, algorithm);
+      int single = -1;
+      ASSERT_EQ(shardmuon_ns_plan_gram_iteration(&api[0].layout, p, &g.ns, &single),
+                SHARDMUON_SUCCESS)
+          << shardmuon_last_error();
+      EXPECT_EQ(gram[0], single) << "algorithm " << algorithm;
+      if (algorithm == SHARDMUON_NS_GRAM_NEWTON_SCHULZ) {
+        EXPECT_EQ(gram[0], 1);
+      }
+      if (algorithm == SHARDMUON_NS_DUPLICATED || algorithm == SHARDMUON_NS_GRAM_ALLREDUCE) {
+        EXPECT_EQ(gram[0], 0) << "algorithm " << algorithm;
+      }
+    }
+
+    // Owners: long and square matrices alternating, enough of them for an owner batch.
+    std::vector<Parameter> many;
+    for (int i = 0; i < 2 * p + 2; ++i) {
+      const bool long_matrix = i % 2 == 0;
+      many.push_back(make_parameter(long_matrix ? 16 : 48, long_matrix ? 600 + i : 48,
+                                    SHARDMUON_FLOAT32, SHARDMUON_SHARDED_DIM1, p, 500 + i, 1));
+    }
+    for (shardmuon_ns_algorithm algorithm :
+         {SHARDMUON_NS_GRAM_NEWTON_SCHULZ, SHARDMUON_NS_AUTO, SHARDMUON_NS_OWNER}) {
+      std::vector<shardmuon_ns_algorithm> algorithms(many.size());
+      std::vector<int> owners(many.size());
+      std::vector<shardmuon_muon_param> api = upload_parameters(many, group);
+      g.ns.algorithm = algorithm;
+      ASSERT_EQ(shardmuon_muon_plan(Harness::get().context(), group.comm, api.data(),
+                                    static_cast<int>(api.size()), &g, 1, algorithms.data(),
+                                    owners.data()),
+                SHARDMUON_SUCCESS);
+      const std::vector<int> gram = gram_of(many, algorithm).first;
+      for (size_t i = 0; i < many.size(); ++i) {
+        ASSERT_EQ(algorithms[i], SHARDMUON_NS_OWNER) << "params[" << i << "]";
+        int expected = 0;  // OWNER asks for the standard iteration
+        if (algorithm == SHARDMUON_NS_GRAM_NEWTON_SCHULZ) {
+          expected = i % 2 == 0 ? 1 : 0;  // (e) where it is fewer flops: the long matrices
+        } else if (algorithm == SHARDMUON_NS_AUTO) {
+          // The owner's choice is AUTO's for the whole matrix on one rank (at these sizes the
+          // fixed costs of (e)'s extra products outweigh its flops: the standard iteration).
+          shardmuon_layout whole{api[i].layout.rows, api[i].layout.cols, SHARDMUON_REPLICATED, 1,
+                                 nullptr};
+          ASSERT_EQ(shardmuon_ns_plan_gram_iteration(&whole, 1, &g.ns, &expected),
+                    SHARDMUON_SUCCESS);
+        }
+        EXPECT_EQ(gram[i], expected) << "params[" << i << "], algorithm " << algorithm;
+      }
+    }
+  }
+  shardmuon_muon_group g = to_api(ReferenceGroup{}, SHARDMUON_SCHEDULE_QUINTIC, 5);
+  EXPECT_EQ(shardmuon_muon_plan_gram_iteration(
+                Harness::get().context(), Harness::get().group(1).comm, nullptr, 1, &g, 1, nullptr),
+            SHARDMUON_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(shardmuon_last_error()).find("gram_iteration is NULL"), std::string::npos);
+}
+
 // A step with no parameters, or with every gradient absent, is a valid no-op.
 TEST_F(MuonStepBatches, EmptyBatchesAreNoOps) {
   const Group& group = Harness::get().group(Harness::get().max_group_size());
