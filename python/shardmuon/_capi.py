@@ -201,6 +201,17 @@ _signatures = {
         [ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(MuonParam), ctypes.c_int,
          ctypes.POINTER(MuonGroup), ctypes.c_int, ctypes.c_void_p],
     ),
+    "shardmuon_muon_plan": (
+        _c_status,
+        [ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(MuonParam), ctypes.c_int,
+         ctypes.POINTER(MuonGroup), ctypes.c_int, ctypes.POINTER(ctypes.c_int),
+         ctypes.POINTER(ctypes.c_int)],
+    ),
+    "shardmuon_muon_plan_gram_iteration": (
+        _c_status,
+        [ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(MuonParam), ctypes.c_int,
+         ctypes.POINTER(MuonGroup), ctypes.c_int, ctypes.POINTER(ctypes.c_int)],
+    ),
     "shardmuon_muon_save": (
         _c_status,
         [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p, ctypes.POINTER(MuonParam),

@@ -309,6 +309,46 @@ class Muon(torch.optim.Optimizer):
         entries = self._collect()
         if not entries:
             return
+        # keepalive: what params and groups point into, alive until the call returns.
+        context, comm, params, groups, keepalive = self._step_arguments(entries)
+        device = entries[0]["param"].device
+        stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+        status = c.lib.shardmuon_muon_step(context.handle, comm.handle, params, len(entries), groups,
+                                           len(self.param_groups), stream)
+        comm.raise_callback_error()
+        c.check(status)
+
+    @torch.no_grad()
+    def plan(self) -> Dict[str, Dict[str, Any]]:
+        """How the next step() would orthogonalize each Muon parameter, without taking it: by
+        parameter name, {"algorithm": "local", "duplicated", "gram_allreduce",
+        "gram_allreduce_redistributed" or "owner", "owner": the rank that orthogonalizes it
+        under "owner" (else None), "gram_iteration": whether it runs Gram Newton-Schulz ((e))}.
+        It depends on which parameters have gradients, as the step does (one without takes no
+        part in the owners). Like step(), the first call exchanges the shard sizes over the
+        process group (every rank must call it) and creates the momentum buffers of the
+        parameters with gradients."""
+        entries = self._collect()
+        if not entries:
+            return {}
+        context, comm, params, groups, keepalive = self._step_arguments(entries)
+        algorithms = (ctypes.c_int * len(entries))()
+        owners = (ctypes.c_int * len(entries))()
+        gram = (ctypes.c_int * len(entries))()
+        c.check(c.lib.shardmuon_muon_plan(context.handle, comm.handle, params, len(entries), groups,
+                                          len(self.param_groups), algorithms, owners))
+        c.check(c.lib.shardmuon_muon_plan_gram_iteration(context.handle, comm.handle, params,
+                                                         len(entries), groups, len(self.param_groups),
+                                                         gram))
+        names = {code: name for name, code in c.ALGORITHMS.items()}
+        names.update(c.PLAN_NAMES)
+        return {e["name"]: {"algorithm": names.get(algorithms[i], str(algorithms[i])),
+                            "owner": owners[i] if owners[i] >= 0 else None,
+                            "gram_iteration": bool(gram[i])}
+                for i, e in enumerate(entries)}
+
+    def _step_arguments(self, entries):
+        """The runtime and the C arrays of a step over `entries` (and what must outlive them)."""
         devices = {e["param"].device for e in entries}
         if len(devices) > 1:
             by_device = {}
@@ -365,11 +405,7 @@ class Muon(torch.optim.Optimizer):
                     p.layout = c.Layout(sum(sizes), cols, c.SHARDED_DIM0, len(sizes), array)
                 else:
                     p.layout = c.Layout(rows, sum(sizes), c.SHARDED_DIM1, len(sizes), array)
-        stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
-        status = c.lib.shardmuon_muon_step(context.handle, comm.handle, params, len(entries), groups,
-                                           len(self.param_groups), stream)
-        comm.raise_callback_error()
-        c.check(status)
+        return context, comm, params, groups, keepalive
 
 
 class MuonWithAdamW(Muon):

@@ -112,6 +112,44 @@ def test_a_parameter_without_grad_on_every_rank_is_skipped():
     launch(_sharded_steps, 3, True)
 
 
+def _plan(rank, world):
+    """Muon.plan() reports what the step then runs, and takes no step."""
+    generator = torch.Generator().manual_seed(11)
+    params = []
+    for i in range(2 * world + 2):
+        rows, cols = (8, 300 + i) if i % 2 == 0 else (40, 40)  # long, then square
+        whole = torch.randn(rows, cols, generator=generator)
+        sizes = split(cols, [1] * world)
+        p = torch.nn.Parameter(shard_of(whole, 1, sizes, rank))
+        p.partition_dim = 1
+        p.grad = shard_of(torch.randn(rows, cols, generator=generator), 1, sizes, rank)
+        params.append(p)
+    lone = torch.nn.Parameter(torch.randn(24, 16, generator=generator))  # replicated, no grad
+    lone.partition_dim = -1
+    optimizer = st.Muon([{"params": params, "algorithm": "gram_newton_schulz"},
+                         {"params": [lone], "algorithm": "duplicated"}], process_group=dist.group.WORLD)
+    before = [p.detach().clone() for p in params]
+    plan = optimizer.plan()
+    assert len(plan) == len(params) + 1
+    for i, p in enumerate(params):
+        entry = plan[optimizer._name(p, 0, i)]
+        # Small matrices in a batch go to owners; (e) where it is fewer flops: the long ones.
+        assert entry["algorithm"] == "owner", entry
+        assert entry["owner"] in range(world), entry
+        assert entry["gram_iteration"] == (i % 2 == 0), (i, entry)
+        assert torch.equal(p.detach(), before[i])  # no step taken
+    assert plan[optimizer._name(lone, 1, 0)] == {"algorithm": "local", "owner": None,
+                                                  "gram_iteration": False}
+    assert {e["owner"] for e in plan.values() if e["owner"] is not None} == set(range(world))
+    optimizer.step()  # the step the plan describes runs
+    assert not torch.equal(params[0].detach(), before[0])
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_plan_reports_the_steps_choices_without_a_step(world):
+    launch(_plan, world)
+
+
 def _mismatch(rank, world):
     p = torch.nn.Parameter(torch.randn(8, 6))
     p.partition_dim = 0
