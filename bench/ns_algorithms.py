@@ -19,58 +19,15 @@ from __future__ import annotations
 import argparse
 import collections
 import os
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
-from shardmuon.torch import NewtonSchulz  # noqa: E402
-
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-
-
-def even_split(extent, parts):
-    return [extent // parts + (1 if r < extent % parts else 0) for r in range(parts)]
-
-
-def median_ms(call, reset, repeats, warmups):
-    """Median of `repeats` calls, each after reset(), a barrier and a synchronize."""
-    for _ in range(warmups):
-        reset()
-        call()
-    times = []
-    for _ in range(repeats):
-        reset()
-        dist.barrier()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        call()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
-
-
-def float64_newton_schulz(matrix, coefficients):
-    """The whole matrix's iteration in float64: X / |X|_F, then X <- a X + (b A + c A A) X."""
-    x = matrix.double()
-    x = x / x.norm()
-    wide = x.shape[0] <= x.shape[1]
-    if not wide:
-        x = x.mT
-    for a, b, c in coefficients:
-        gram = x @ x.mT
-        x = a * x + (b * gram + c * gram @ gram) @ x
-    return x if wide else x.mT
-
-
-def gather(shard, dim, sizes):
-    parts = [shard.new_empty((shard.shape[0], n) if dim == 1 else (n, shard.shape[1])) for n in sizes]
-    dist.all_gather(parts, shard)
-    return torch.cat(parts, dim)
+# The benchmark's helpers (it also puts python/ on the path for shardmuon).
+from bench_newton_schulz import (DTYPES, Timer, even_split, gather_shards, relative_error,
+                                 torch_newton_schulz)
+from shardmuon.torch import NewtonSchulz
 
 
 def parse_case(text):
@@ -97,6 +54,7 @@ def main():
     dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
     dtype = DTYPES[args.dtype]
     schedule, steps = args.schedule.split(":")
+    timer = Timer(args.warmups, args.repeats, world)
 
     def report(text):
         if rank == 0:
@@ -123,13 +81,12 @@ def main():
             shape = (rows, cols)
             ran = ns.plan(shape, dim, sizes) + (" + (e)" if ns.uses_gram_iteration(shape, dim, sizes) else "")
             model = ns.estimate_seconds(shape, dim, sizes) * 1e3
-            ms = median_ms(lambda: ns(work, shape, dim, sizes), lambda: work.copy_(shard),
-                           args.repeats, args.warmups)
+            ms = timer.median_ms(lambda: work.copy_(shard), lambda: ns(work, shape, dim, sizes))
             work.copy_(shard)
             ns(work, shape, dim, sizes)
             if reference is None:
-                reference = float64_newton_schulz(matrix, ns.coefficients())
-            error = float((gather(work, dim, sizes).double() - reference).norm() / reference.norm())
+                reference = torch_newton_schulz(matrix.double(), ns.coefficients(), torch.float64)
+            error = relative_error(gather_shards(work, dim, sizes, world), reference)
             report(f"| {rows}x{cols} | dim {dim} | {algorithm} | {ran} | {ms:.3f} | {model:.3f} | {error:.3e} |")
 
     for case in filter(None, args.profile.split(",")):

@@ -119,11 +119,11 @@ int64_t chunks_per_vector(int64_t count, int64_t batch) {
 // (I >= J, in tiles; the grid holds only those) is read once from the packed tiles (float32,
 // or bfloat16 for a Gram summed in bfloat16), two rows per thread (one load of a pair down
 // its columns), and written to its own place and, transposed through shared memory, to tile
-// (J, I), two rows per thread again. On a diagonal
-// tile the entries above the diagonal come from their mirror images below it, so the result
-// is exactly symmetric. The side n is even (the products' sides are multiples of 8), so a
-// row pair never straddles the edge, and every pair starts at an even index of the packed
-// layout (its block starts, widths and heights are even) and of dst.
+// (J, I), two rows per thread again. On a diagonal tile the entries above the diagonal come
+// from their mirror images below it, so the result is exactly symmetric. The side n is even
+// (the products' sides are multiples of 8), so a row pair never straddles the edge, and every
+// pair starts at an even index of the packed layout (its block starts, widths and heights are
+// even) and of dst.
 struct PackedTriangle {
   static constexpr int kMaxBlocks = 64;
   int64_t n;
