@@ -120,9 +120,10 @@ struct CommitPass {
 };
 
 // What mirror_lower sets on the diagonal first (nothing when squares is null): entry (i, i)
-// becomes shift + scale * addend[i, i] + square_scale * squares[i], summed in the accumulate
-// dtype and rounded once to the matrix's dtype. squares holds one accumulate-dtype value per
-// column (column_squares); addend is a full matrix of the storage dtype.
+// becomes shift + scale * addend[i, i] + square_scale * |column i of addend|^2, summed in the
+// accumulate dtype and rounded once to the matrix's dtype. addend is a full matrix of the
+// storage dtype; squares holds its column squares in parts (Backend::column_square_parts),
+// as the symmetric pass that made it wrote them.
 struct SymmetricDiagonal {
   const void* squares = nullptr;
   double square_scale = 0.0;
@@ -198,24 +199,28 @@ class Backend {
   // How wide SymmetricTiles' blocks should be on this backend: narrower blocks save more
   // flops (the triangle), wider ones run the GEMMs faster.
   virtual int64_t symmetric_block_target() const = 0;
+  // How many partial sums the symmetric passes below split a column's sum of squares into
+  // (the CUDA passes work on square tiles, each summing its own part). For a batch, matrix
+  // b's parts are at b * parts * n; part k of column i is at k * n + i, and the column's sum
+  // is its parts added in order k = 0, 1, ... (the same bits on every call).
+  virtual int64_t column_square_parts(int64_t n) const = 0;
   // dst (n x n, column-major, dst_type) = the symmetric matrix whose lower block columns
   // `packed` (src_type) holds in the layout of `tiles`, plus shift * I, rounded once to
   // nearest even. The lower triangle is the truth: dst is exactly symmetric. dst must not
   // overlap packed. For a batch, matrix b is at b * tiles.packed_elements() in packed and at
-  // b * n * n in dst.
+  // b * n * n in dst. Unless square_parts is null, it receives dst's column squares (as
+  // stored), in the accumulate dtype, in column_square_parts(n) parts.
   virtual void unpack_symmetric(const void* packed, shardmuon_dtype src_type,
                                 const SymmetricTiles& tiles, int64_t batch, void* dst,
-                                shardmuon_dtype dst_type, double shift, Stream stream) = 0;
+                                shardmuon_dtype dst_type, double shift, void* square_parts,
+                                Stream stream) = 0;
   // The n x n matrix (column-major, dtype) becomes exactly symmetric: its upper triangle is
   // overwritten with its lower one, after `diagonal` (if given) has set its diagonal. For a
-  // batch, matrix b is at b * n * n (its squares at b * n).
+  // batch, matrix b is at b * n * n. Unless square_parts is null, it receives the result's
+  // column squares as unpack_symmetric's do.
   virtual void mirror_lower(void* matrix, shardmuon_dtype dtype, int64_t n, int64_t batch,
-                            const SymmetricDiagonal& diagonal, Stream stream) = 0;
-  // squares[i] = the sum of squares of column i of the n x n matrix (column-major, dtype), in
-  // the accumulate dtype, summed in a fixed order (the same bits on every call). For a batch,
-  // matrix b is at b * n * n, its squares at b * n.
-  virtual void column_squares(const void* matrix, shardmuon_dtype dtype, int64_t n, int64_t batch,
-                              void* squares, Stream stream) = 0;
+                            const SymmetricDiagonal& diagonal, void* square_parts,
+                            Stream stream) = 0;
   // A stream for communication that overlaps computation on `stream` (the CUDA backend's
   // own, created once; the CPU backend, which computes before returning, gives `stream`).
   virtual Stream side_stream(Stream stream) = 0;

@@ -71,7 +71,7 @@ struct IterationBuffers {
   void* x[2];            // ping-pong iterates, storage dtype
   void* gram_packed;     // A's lower tiles, gram_sum_dtype, summed over a group
   void* gram_full;       // A, storage dtype, the operand of A A
-  void* column_squares;  // |A_:i|^2 for P's diagonal, accumulate dtype, s per matrix
+  void* column_squares;  // |A_:i|^2 for P's diagonal, in the backend's column_square_parts
   void* poly_full;       // P, storage dtype, the operand of P X
   // (e) only: the accumulated polynomial M, and a spare full matrix for products.
   void* product_full;
@@ -112,7 +112,8 @@ struct IterationSlots {
     // matrix.
     slots.gram_packed = carver.reserve(summed_gram ? packed * accumulate : 0);
     slots.gram_full = carver.reserve(full * storage);
-    slots.column_squares = carver.reserve(static_cast<size_t>(s * batch) * accumulate);
+    slots.column_squares = carver.reserve(
+        static_cast<size_t>(backend.column_square_parts(s) * s * batch) * accumulate);
     slots.poly_full = carver.reserve(full * storage);
     slots.product_full = carver.reserve(gram_iteration ? full * storage : 0);
     slots.other_full = carver.reserve(gram_iteration ? full * storage : 0);
@@ -413,7 +414,8 @@ struct GramOperand {
 
 // A = X X^T of a whole block on one rank: every lower tile in one launch, written rounded to
 // the storage dtype where it lies in the full matrix, whose upper triangle is then mirrored
-// from the lower one (a pass over half the matrix; no float32 triangle to unpack).
+// from the lower one (a pass over half the matrix; no float32 triangle to unpack). The
+// mirroring pass also takes A's column squares (for P's diagonal).
 void local_gram_product(Backend& backend, shardmuon_dtype dtype, const WideBlock& block,
                         const void* x, const IterationBuffers& buffers, Stream stream) {
   const size_t element = element_size(dtype);
@@ -438,7 +440,8 @@ void local_gram_product(Backend& backend, shardmuon_dtype dtype, const WideBlock
         return tile;
       },
       stream);
-  backend.mirror_lower(buffers.gram_full, dtype, s, buffers.batch, SymmetricDiagonal{}, stream);
+  backend.mirror_lower(buffers.gram_full, dtype, s, buffers.batch, SymmetricDiagonal{},
+                       buffers.column_squares, stream);
 }
 
 // The dtype a Gram summed over a group is written, all-reduced and unpacked in: bfloat16 for
@@ -517,11 +520,12 @@ void summed_gram_product(Backend& backend, Communicator& comm, shardmuon_dtype d
   }
   backend.order_after(stream, side);
   backend.unpack_symmetric(buffers.gram_packed, sum_type, tiles, buffers.batch, buffers.gram_full,
-                           dtype, 0.0, stream);
+                           dtype, 0.0, buffers.column_squares, stream);
 }
 
-// A = X X^T into buffers.gram_full: on one rank (no comm), or summed over the group, X
-// arriving piece by piece with arrivals ((d) only, which always has a group).
+// A = X X^T into buffers.gram_full, and its column squares into buffers.column_squares: on
+// one rank (no comm), or summed over the group, X arriving piece by piece with arrivals ((d)
+// only, which always has a group).
 void gram_product(Backend& backend, Communicator* comm, shardmuon_dtype dtype,
                   const WideBlock& block, const void* x, const IterationBuffers& buffers,
                   Stream stream, PiecewiseExchange* arrivals = nullptr) {
@@ -537,12 +541,13 @@ void gram_product(Backend& backend, Communicator* comm, shardmuon_dtype dtype,
 // operands whose product is symmetric: A A, or products of polynomials in the same Gram matrix,
 // which commute. Every lower tile in one launch, written rounded where it lies in d; then the
 // pass that mirrors the lower triangle to the upper one, after `diagonal` (when it has
-// squares) has set the diagonal. d must not be A or B. Over a batch, matrix i of each is i
-// full matrices on.
+// squares) has set the diagonal, and which takes d's column squares into square_parts unless
+// it is null. d must not be A or B. Over a batch, matrix i of each is i full matrices on.
 void symmetric_product(Backend& backend, shardmuon_dtype dtype, const SymmetricTiles& tiles,
                        int64_t batch, const void* a, const void* b, void* d, Stream stream,
                        double alpha = 1.0, double beta = 0.0, const void* c = nullptr,
-                       const SymmetricDiagonal& diagonal = SymmetricDiagonal{}) {
+                       const SymmetricDiagonal& diagonal = SymmetricDiagonal{},
+                       void* square_parts = nullptr) {
   const size_t element = element_size(dtype);
   const int64_t s = tiles.n;
   GemmCall call;
@@ -565,14 +570,14 @@ void symmetric_product(Backend& backend, shardmuon_dtype dtype, const SymmetricT
         return tile;
       },
       stream);
-  backend.mirror_lower(d, dtype, s, batch, diagonal, stream);
+  backend.mirror_lower(d, dtype, s, batch, diagonal, square_parts, stream);
 }
 
 // P = a I + b A + c A A from A (storage dtype, full, exactly symmetric): every lower tile is
 // c A A + b A, rounded once where it lies in P (the GEMM's beta reads A), all in one launch;
 // the pass that mirrors P's lower triangle then sets the diagonal to a + b A_ii + c |A_:i|^2,
-// from A's column squares summed in the accumulate dtype, rounded once: a is added before
-// rounding.
+// from A's column squares (summed in the accumulate dtype by the pass that made A), rounded
+// once: a is added before rounding.
 //
 // Folding a I into P before rounding (rather than computing a X + B X) matters for bf16:
 // where a singular value is near 1, a + b s^2 + c s^4 is far smaller than its terms (the
@@ -581,7 +586,6 @@ void symmetric_product(Backend& backend, shardmuon_dtype dtype, const SymmetricT
 void gram_polynomial(Backend& backend, shardmuon_dtype dtype, const Coefficients& coefficients,
                      const IterationBuffers& buffers, void* poly, Stream stream) {
   const void* a = buffers.gram_full;
-  backend.column_squares(a, dtype, buffers.tiles.n, buffers.batch, buffers.column_squares, stream);
   SymmetricDiagonal finish;
   finish.squares = buffers.column_squares;
   finish.square_scale = coefficients.c;
@@ -711,7 +715,8 @@ const void* iterate_on_gram(Backend& backend, Communicator* comm, const NsProble
     }
     if (!last) {  // R <- Q (R Q)
       symmetric_product(backend, dtype, tiles, batch, buffers.gram_full, q, spare, stream);
-      symmetric_product(backend, dtype, tiles, batch, q, spare, buffers.gram_full, stream);
+      symmetric_product(backend, dtype, tiles, batch, q, spare, buffers.gram_full, stream, 1.0, 0.0,
+                        nullptr, SymmetricDiagonal{}, buffers.column_squares);
       continue;
     }
     // X <- M X, at a restart or at the end.

@@ -244,9 +244,12 @@ class CpuBackend final : public Backend {
   // matrices into several blocks.
   int64_t symmetric_block_target() const override { return 32; }
 
+  // One part: each column's sum of squares whole.
+  int64_t column_square_parts(int64_t) const override { return 1; }
+
   void unpack_symmetric(const void* packed, shardmuon_dtype src_type, const SymmetricTiles& tiles,
                         int64_t batch, void* dst, shardmuon_dtype dst_type, double shift,
-                        Stream) override {
+                        void* square_parts, Stream) override {
     const int64_t n = tiles.n;
     for (int64_t matrix = 0; matrix < batch; ++matrix) {
       const int64_t packed_base = matrix * tiles.packed_elements(), dst_base = matrix * n * n;
@@ -264,10 +267,11 @@ class CpuBackend final : public Backend {
         }
       }
     }
+    if (square_parts != nullptr) store_column_squares(dst, dst_type, n, batch, square_parts);
   }
 
   void mirror_lower(void* matrix, shardmuon_dtype dtype, int64_t n, int64_t batch,
-                    const SymmetricDiagonal& diagonal, Stream) override {
+                    const SymmetricDiagonal& diagonal, void* square_parts, Stream) override {
     const shardmuon_dtype accumulate = accumulate_dtype(dtype);
     const bool wide = dtype == SHARDMUON_FLOAT64;  // else float32 arithmetic, as on CUDA
     for (int64_t m = 0; m < batch; ++m) {
@@ -291,10 +295,12 @@ class CpuBackend final : public Backend {
         }
       }
     }
+    if (square_parts != nullptr) store_column_squares(matrix, dtype, n, batch, square_parts);
   }
 
-  void column_squares(const void* matrix, shardmuon_dtype dtype, int64_t n, int64_t batch,
-                      void* squares, Stream) override {
+  // squares[b * n + c] = the sum of squares of column c of matrix b (accumulate dtype).
+  static void store_column_squares(const void* matrix, shardmuon_dtype dtype, int64_t n,
+                                   int64_t batch, void* squares) {
     for (int64_t m = 0; m < batch; ++m) {
       for (int64_t c = 0; c < n; ++c) {
         double sum = 0.0;

@@ -4,7 +4,7 @@
 
 #include "core/dtype.h"
 #include "core/error.h"
-#include "cuda/elementwise.cuh"
+#include "cuda/cuda_check.h"
 
 namespace shardmuon {
 namespace {
@@ -43,12 +43,43 @@ int64_t alignment_of_offset(int64_t bytes) {
   return alignment_of(reinterpret_cast<const void*>(static_cast<uintptr_t>(bytes)));
 }
 
+// Whether two algorithms are one kernel configuration: the same kernel, tile, stages,
+// split, reduction, swizzle and options (the workspace they were chosen for aside).
+bool same_configuration(const cublasLtMatmulAlgo_t& x, const cublasLtMatmulAlgo_t& y) {
+  const cublasLtMatmulAlgoConfigAttributes_t attributes[] = {CUBLASLT_ALGO_CONFIG_ID,
+                                                             CUBLASLT_ALGO_CONFIG_TILE_ID,
+                                                             CUBLASLT_ALGO_CONFIG_STAGES_ID,
+                                                             CUBLASLT_ALGO_CONFIG_SPLITK_NUM,
+                                                             CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME,
+                                                             CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING,
+                                                             CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION,
+                                                             CUBLASLT_ALGO_CONFIG_INNER_SHAPE_ID,
+                                                             CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID};
+  for (const auto attribute : attributes) {
+    uint64_t value[2] = {0, 0};  // every attribute above fits in 8 bytes
+    for (int i = 0; i < 2; ++i) {
+      const cublasLtMatmulAlgo_t* algorithm = i == 0 ? &x : &y;
+      size_t size = 0;  // the attribute's own size, which the query must pass
+      if (cublasLtMatmulAlgoConfigGetAttribute(algorithm, attribute, nullptr, 0, &size) !=
+              CUBLAS_STATUS_SUCCESS ||
+          size > sizeof value[i] ||
+          cublasLtMatmulAlgoConfigGetAttribute(algorithm, attribute, &value[i], size, &size) !=
+              CUBLAS_STATUS_SUCCESS) {
+        return false;
+      }
+    }
+    if (value[0] != value[1]) return false;
+  }
+  return true;
+}
+
 }  // namespace
 
 struct CublasLtGemm::Plan {
   cublasLtMatmulDesc_t operation = nullptr;
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr, d = nullptr;
   cublasLtMatmulAlgo_t algorithm{};
+  size_t workspace_bytes = 0;  // what the algorithm is run with: 0 or the whole workspace
   bool double_scale = false;
 
   ~Plan() {
@@ -65,6 +96,7 @@ CublasLtGemm::CublasLtGemm() {
   workspace_ = make_device_memory(kCublasWorkspaceBytes);
   workspace_bytes_ = kCublasWorkspaceBytes;
   pointer_arrays_ = make_device_memory(4 * kPointerCapacity * sizeof(void*));
+  kept_arrays_ = make_device_memory(4 * kKeptCapacity * sizeof(void*));
 }
 
 CublasLtGemm::~CublasLtGemm() {
@@ -132,15 +164,39 @@ const CublasLtGemm::Plan& CublasLtGemm::plan_for(const GemmCall& call, bool poin
     }
   }
 
+  const uint32_t alignments[4] = {static_cast<uint32_t>(key[11]), static_cast<uint32_t>(key[12]),
+                                  static_cast<uint32_t>(key[13]), static_cast<uint32_t>(key[13])};
+  // The heuristic's first choice with the whole workspace, and with none. Where both are one
+  // kernel configuration, the one without runs: with a workspace, Hopper's kernels for these
+  // shapes ask for 4 bytes (a counter) that cuBLASLt clears with a memset before every launch,
+  // a launch of its own. Measured on an H200 (bf16, 4096^2 Newton-Schulz products), the same
+  // configuration without workspace took 116.0 against 118.4 us (36 tiles of 512 x 512 x 4096)
+  // and 183.2 against 188.5 us (4096^3).
+  cublasLtMatmulAlgo_t with_workspace{}, without_workspace{};
+  if (!heuristic_choice(*plan, workspace_bytes_, alignments, with_workspace)) {
+    fail(SHARDMUON_ERROR_CUBLAS, "cuBLASLt has no algorithm for the GEMM m=", call.m, " n=", call.n,
+         " k=", call.k, " lda=", call.lda, " ldb=", call.ldb, " ldd=", call.ldd);
+  }
+  plan->algorithm = with_workspace;
+  plan->workspace_bytes = workspace_bytes_;
+  if (heuristic_choice(*plan, 0, alignments, without_workspace) &&
+      same_configuration(with_workspace, without_workspace)) {
+    plan->algorithm = without_workspace;
+    plan->workspace_bytes = 0;
+  }
+  return *plans_.emplace(key, std::move(plan)).first->second;
+}
+
+bool CublasLtGemm::heuristic_choice(const Plan& plan, size_t workspace_limit,
+                                    const uint32_t (&alignments)[4],
+                                    cublasLtMatmulAlgo_t& algorithm) const {
   cublasLtMatmulPreference_t preference = nullptr;
   SHARDMUON_CUBLAS(cublasLtMatmulPreferenceCreate(&preference));
   std::unique_ptr<cublasLtMatmulPreferenceOpaque_t, cublasStatus_t (*)(cublasLtMatmulPreference_t)>
       preference_owner(preference, cublasLtMatmulPreferenceDestroy);
-  SHARDMUON_CUBLAS(
-      cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                                           &workspace_bytes_, sizeof workspace_bytes_));
-  const uint32_t alignments[4] = {static_cast<uint32_t>(key[11]), static_cast<uint32_t>(key[12]),
-                                  static_cast<uint32_t>(key[13]), static_cast<uint32_t>(key[13])};
+  SHARDMUON_CUBLAS(cublasLtMatmulPreferenceSetAttribute(preference,
+                                                        CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                                        &workspace_limit, sizeof workspace_limit));
   const cublasLtMatmulPreferenceAttributes_t alignment_attributes[4] = {
       CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
       CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
@@ -148,18 +204,13 @@ const CublasLtGemm::Plan& CublasLtGemm::plan_for(const GemmCall& call, bool poin
     SHARDMUON_CUBLAS(cublasLtMatmulPreferenceSetAttribute(preference, alignment_attributes[i],
                                                           &alignments[i], sizeof alignments[i]));
   }
-
   cublasLtMatmulHeuristicResult_t result{};
   int found_count = 0;
-  SHARDMUON_CUBLAS(cublasLtMatmulAlgoGetHeuristic(handle_, plan->operation, plan->a, plan->b,
-                                                  plan->c, plan->d, preference, 1, &result,
-                                                  &found_count));
-  if (found_count == 0) {
-    fail(SHARDMUON_ERROR_CUBLAS, "cuBLASLt has no algorithm for the GEMM m=", call.m, " n=", call.n,
-         " k=", call.k, " lda=", call.lda, " ldb=", call.ldb, " ldd=", call.ldd);
-  }
-  plan->algorithm = result.algo;
-  return *plans_.emplace(key, std::move(plan)).first->second;
+  SHARDMUON_CUBLAS(cublasLtMatmulAlgoGetHeuristic(handle_, plan.operation, plan.a, plan.b, plan.c,
+                                                  plan.d, preference, 1, &result, &found_count));
+  if (found_count == 0) return false;
+  algorithm = result.algo;
+  return true;
 }
 
 void CublasLtGemm::run(const GemmCall& call, cudaStream_t stream) {
@@ -179,12 +230,12 @@ void CublasLtGemm::run_plan(const Plan& plan, const GemmCall& call, const void* 
     const double alpha = call.alpha, beta = call.beta;
     SHARDMUON_CUBLAS(cublasLtMatmul(handle_, plan.operation, &alpha, a, plan.a, b, plan.b, &beta, c,
                                     plan.c, d, plan.d, &plan.algorithm, workspace_.get(),
-                                    workspace_bytes_, stream));
+                                    plan.workspace_bytes, stream));
   } else {
     const float alpha = static_cast<float>(call.alpha), beta = static_cast<float>(call.beta);
     SHARDMUON_CUBLAS(cublasLtMatmul(handle_, plan.operation, &alpha, a, plan.a, b, plan.b, &beta, c,
                                     plan.c, d, plan.d, &plan.algorithm, workspace_.get(),
-                                    workspace_bytes_, stream));
+                                    plan.workspace_bytes, stream));
   }
 }
 
@@ -196,10 +247,6 @@ void CublasLtGemm::run_list(const GemmCall& call, cudaStream_t stream) {
   }
   const int64_t per_launch =
       std::min<int64_t>(PointerArraySource::kMaxProducts, kPointerCapacity / call.batch);
-  void** arrays[4];
-  for (int i = 0; i < 4; ++i) {
-    arrays[i] = static_cast<void**>(pointer_arrays_.get()) + i * kPointerCapacity;
-  }
   // beta == 0 must not read C: its pointers are D's.
   const int64_t stride_c = call.beta == 0.0 ? call.stride_d : call.stride_c;
   const int64_t strides[4] = {
@@ -229,9 +276,45 @@ void CublasLtGemm::run_list(const GemmCall& call, cudaStream_t stream) {
     launch.batch = count * call.batch;
     const Plan& plan =
         plan_for(launch, true, alignment[0], alignment[1], std::min(alignment[2], alignment[3]));
-    fill_pointer_arrays_cuda(source, arrays, stream);
+    void** arrays[4];
+    pointer_arrays_for(source, stream, arrays);
     run_plan(plan, launch, arrays[0], arrays[1], arrays[2], arrays[3], stream);
   }
+}
+
+void CublasLtGemm::pointer_arrays_for(const PointerArraySource& source, cudaStream_t stream,
+                                      void** arrays[4]) {
+  const int64_t entries = source.products * source.batch;
+  std::vector<int64_t> key = {source.batch, source.stride_bytes[0], source.stride_bytes[1],
+                              source.stride_bytes[2], source.stride_bytes[3]};
+  for (int i = 0; i < 4; ++i) {
+    for (int p = 0; p < source.products; ++p) {
+      key.push_back(static_cast<int64_t>(reinterpret_cast<uintptr_t>(source.operands[i][p])));
+    }
+  }
+  auto kept = kept_offsets_.find(key);
+  bool fill = false;
+  if (kept == kept_offsets_.end() && kept_used_ + entries <= kKeptCapacity) {
+    // Kept only if filled now: under capture the fill would run only when the graph does.
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    SHARDMUON_CUDA(cudaStreamIsCapturing(stream, &capture));
+    if (capture == cudaStreamCaptureStatusNone) {
+      kept = kept_offsets_.emplace(std::move(key), kept_used_).first;
+      kept_used_ += entries;
+      fill = true;
+    }
+  }
+  void** base = static_cast<void**>(pointer_arrays_.get());
+  int64_t capacity = kPointerCapacity, offset = 0;
+  if (kept != kept_offsets_.end()) {
+    base = static_cast<void**>(kept_arrays_.get());
+    capacity = kKeptCapacity;
+    offset = kept->second;
+  } else {
+    fill = true;
+  }
+  for (int i = 0; i < 4; ++i) arrays[i] = base + i * capacity + offset;
+  if (fill) fill_pointer_arrays_cuda(source, arrays, stream);
 }
 
 }  // namespace shardmuon

@@ -243,20 +243,18 @@ class CudaBackend final : public Backend {
 
   int64_t symmetric_block_target() const override { return symmetric_block_target_; }
 
+  int64_t column_square_parts(int64_t n) const override { return column_square_parts_cuda(n); }
+
   void unpack_symmetric(const void* packed, shardmuon_dtype src_type, const SymmetricTiles& tiles,
                         int64_t batch, void* dst, shardmuon_dtype dst_type, double shift,
-                        Stream stream) override {
-    unpack_symmetric_cuda(packed, src_type, tiles, batch, dst, dst_type, shift, as_cuda(stream));
+                        void* square_parts, Stream stream) override {
+    unpack_symmetric_cuda(packed, src_type, tiles, batch, dst, dst_type, shift, square_parts,
+                          as_cuda(stream));
   }
 
   void mirror_lower(void* matrix, shardmuon_dtype dtype, int64_t n, int64_t batch,
-                    const SymmetricDiagonal& diagonal, Stream stream) override {
-    mirror_lower_cuda(matrix, dtype, n, batch, diagonal, as_cuda(stream));
-  }
-
-  void column_squares(const void* matrix, shardmuon_dtype dtype, int64_t n, int64_t batch,
-                      void* squares, Stream stream) override {
-    column_squares_cuda(matrix, dtype, n, batch, squares, as_cuda(stream));
+                    const SymmetricDiagonal& diagonal, void* square_parts, Stream stream) override {
+    mirror_lower_cuda(matrix, dtype, n, batch, diagonal, square_parts, as_cuda(stream));
   }
 
   Stream side_stream(Stream) override { return side_stream_.get(); }

@@ -157,6 +157,10 @@ struct PackedRow {
 };
 
 constexpr int kTile = 64;
+// The column-square parts of an n x n matrix: one per band of kTile rows of tiles.
+__host__ __device__ inline int64_t column_square_parts_of(int64_t n) {
+  return (n + kTile - 1) / kTile;
+}
 constexpr int kThreadsX = 32;  // times two rows: a tile column
 constexpr int kThreadsY = 8;   // columns per pass
 
@@ -201,11 +205,49 @@ __device__ __forceinline__ float2 load_pair(const float* x, int64_t index) {
   return *reinterpret_cast<const float2*>(x + index);
 }
 
+// Column squares in parts (Backend::column_square_parts: one per 64-row band of tiles),
+// from a lower tile (I, J) held in shared memory as tile[column][row] (a diagonal tile: its
+// entries on and below the diagonal), already rounded as stored. Its columns' sums are part I
+// of the columns of block J; below the diagonal, its rows' sums, which are the columns of the
+// mirror tile (J, I), are part J of the columns of block I. So every part of every column is
+// written by exactly one tile. A diagonal tile sums the columns of the symmetric tile. Every
+// thread of the block takes a quarter of a column and of a row (scratch holds the quarters),
+// added in a fixed order: the same bits every call. All the block's threads must call it.
+constexpr int kQuarter = kTile / 4;
+__device__ void write_square_parts(const float (*tile)[kTile + 1], float (*scratch)[kTile],
+                                   int64_t tile_row, int64_t tile_col, int64_t n, float* parts) {
+  const int thread = threadIdx.y * kThreadsX + threadIdx.x;
+  const int lane = thread % kTile, quarter = thread / kTile;  // 4 quarters of 64 threads
+  const int64_t row0 = tile_row * kTile, col0 = tile_col * kTile;
+  const int rows = n - row0 < kTile ? static_cast<int>(n - row0) : kTile;
+  const int cols = n - col0 < kTile ? static_cast<int>(n - col0) : kTile;
+  const bool diagonal = tile_row == tile_col;
+  float column_sum = 0.0f, row_sum = 0.0f;  // of column `lane`, of row `lane`
+  for (int i = quarter * kQuarter; i < (quarter + 1) * kQuarter; ++i) {
+    if (lane < cols && i < rows) {  // entry (i, lane), or above a diagonal its mirror
+      const float value = !diagonal || i >= lane ? tile[lane][i] : tile[i][lane];
+      column_sum += value * value;
+    }
+    if (!diagonal && lane < rows && i < cols) row_sum += tile[i][lane] * tile[i][lane];
+  }
+  scratch[quarter][lane] = column_sum;
+  scratch[4 + quarter][lane] = row_sum;
+  __syncthreads();
+  if (thread < cols) {
+    parts[tile_row * n + col0 + thread] =
+        ((scratch[0][thread] + scratch[1][thread]) + scratch[2][thread]) + scratch[3][thread];
+  } else if (!diagonal && thread >= kTile && thread < kTile + rows) {
+    const int x = thread - kTile;
+    parts[tile_col * n + row0 + x] =
+        ((scratch[4][x] + scratch[5][x]) + scratch[6][x]) + scratch[7][x];
+  }
+}
+
 template <typename Source, typename Destination>
 __global__ void __launch_bounds__(kThreadsX* kThreadsY)
     unpack_symmetric_kernel(const Source* packed_batch,
                             const __grid_constant__ PackedTriangle layout, Destination* dst_batch,
-                            float shift) {
+                            float shift, float* parts_batch) {
   // Matrix blockIdx.y of a batch.
   const Source* packed = packed_batch + blockIdx.y * layout.packed_elements;
   Destination* dst = dst_batch + blockIdx.y * layout.n * layout.n;
@@ -235,13 +277,16 @@ __global__ void __launch_bounds__(kThreadsX* kThreadsY)
   for (int y = threadIdx.y; y < kTile; y += kThreadsY) {
     const int64_t c = col0 + y;
     if (r >= n || c >= n || r + 1 < c) continue;  // outside, or above the diagonal
+    // Held as stored: shifted on the diagonal, rounded to the destination's dtype.
     const int64_t pair_start = row.index(columns[y]);
     if (r >= c) {
       const float2 pair = load_pair(packed, pair_start);
-      tile[y][row_in_tile] = pair.x;
-      tile[y][row_in_tile + 1] = pair.y;
+      tile[y][row_in_tile] = to_float(Pair<Destination>::round(pair.x + (r == c ? shift : 0.0f)));
+      tile[y][row_in_tile + 1] =
+          to_float(Pair<Destination>::round(pair.y + (r + 1 == c ? shift : 0.0f)));
     } else {  // r + 1 == c: only the second row is on or below the diagonal
-      tile[y][row_in_tile + 1] = to_float(packed[pair_start + 1]);
+      tile[y][row_in_tile + 1] =
+          to_float(Pair<Destination>::round(to_float(packed[pair_start + 1]) + shift));
     }
   }
   __syncthreads();
@@ -251,11 +296,14 @@ __global__ void __launch_bounds__(kThreadsX* kThreadsY)
   for (int y = threadIdx.y; y < kTile; y += kThreadsY) {
     const int64_t c = col0 + y;
     if (r >= n || c >= n) continue;
-    float first = r >= c ? tile[y][row_in_tile] : tile[row_in_tile][y];
-    float second = r + 1 >= c ? tile[y][row_in_tile + 1] : tile[row_in_tile + 1][y];
-    if (r == c) first += shift;
-    if (r + 1 == c) second += shift;
+    const float first = r >= c ? tile[y][row_in_tile] : tile[row_in_tile][y];
+    const float second = r + 1 >= c ? tile[y][row_in_tile + 1] : tile[row_in_tile + 1][y];
     store_pair(dst, c * n + r, first, second);
+  }
+  if (parts_batch != nullptr) {
+    __shared__ float scratch[8][kTile];
+    write_square_parts(tile, scratch, tile_row, tile_col, n,
+                       parts_batch + blockIdx.y * column_square_parts_of(n) * n);
   }
   if (tile_row == tile_col) return;
   // Its mirror (J, I): column row0 + y, rows col0 + 2x and col0 + 2x + 1, which hold the
@@ -270,15 +318,16 @@ __global__ void __launch_bounds__(kThreadsX* kThreadsY)
 
 // mirror_lower, one 64 x 64 tile pair per thread block as in unpack_symmetric_kernel: the lower
 // tile (I, J) is read into shared memory, then written transposed to tile (J, I), or, on a
-// diagonal tile, to its own upper triangle, whose diagonal is set from the column squares
-// when there are some.
+// diagonal tile, to its own upper triangle, whose diagonal is set first from the addend's
+// column squares (their parts, added in order) when there are some.
 template <typename T>
 __global__ void __launch_bounds__(kThreadsX* kThreadsY)
     mirror_lower_kernel(T* matrix_batch, int64_t n, const float* squares_batch, float square_scale,
-                        float scale, const T* addend_batch, float shift) {
+                        float scale, const T* addend_batch, float shift, float* parts_batch) {
   T* matrix = matrix_batch + blockIdx.y * n * n;
   int64_t tile_row = 0, tile_col = 0;
   lower_tile_of(blockIdx.x, tile_row, tile_col);
+  const int64_t parts = column_square_parts_of(n);
 
   __shared__ float tile[kTile][kTile + 1];  // [column][row] of the lower tile (I, J)
   const int64_t row0 = tile_row * kTile, col0 = tile_col * kTile;
@@ -291,21 +340,44 @@ __global__ void __launch_bounds__(kThreadsX* kThreadsY)
     tile[y][row_in_tile] = pair.x;  // above the diagonal where r + 1 == c: never read
     tile[y][row_in_tile + 1] = pair.y;
   }
+  // A diagonal tile whose diagonal is set: the addend's column squares, each from its parts,
+  // a quarter of them per thread (loads issued beside the tile's), the quarters then added.
+  __shared__ float scratch[8][kTile];
+  const int thread = threadIdx.y * kThreadsX + threadIdx.x;
+  const bool sets_diagonal = tile_row == tile_col && squares_batch != nullptr;
+  if (sets_diagonal) {
+    const int lane = thread % kTile, quarter = thread / kTile;
+    float sum = 0.0f;
+    if (col0 + lane < n) {
+      const float* squares = squares_batch + blockIdx.y * parts * n + col0 + lane;
+#pragma unroll 8
+      for (int64_t k = quarter; k < parts; k += 4) sum += squares[k * n];
+    }
+    scratch[quarter][lane] = sum;
+  }
   __syncthreads();
+  if (sets_diagonal) {
+    const int64_t c = col0 + thread;
+    if (thread < kTile && c < n) {
+      const float square =
+          ((scratch[0][thread] + scratch[1][thread]) + scratch[2][thread]) + scratch[3][thread];
+      const float addend = to_float(addend_batch[blockIdx.y * n * n + c * n + c]);
+      const T value = Pair<T>::round(shift + scale * addend + square_scale * square);
+      matrix[c * n + c] = value;
+      tile[thread][thread] = to_float(value);
+    }
+    __syncthreads();
+  }
 
+  if (parts_batch != nullptr) {
+    write_square_parts(tile, scratch, tile_row, tile_col, n, parts_batch + blockIdx.y * parts * n);
+  }
   if (tile_row == tile_col) {  // the upper triangle of this tile: column c, rows r < c
     for (int y = threadIdx.y; y < kTile; y += kThreadsY) {
       const int64_t c = col0 + y;
       if (r >= n || c >= n) continue;
       if (r < c) matrix[c * n + r] = Pair<T>::round(tile[row_in_tile][y]);
       if (r + 1 < c) matrix[c * n + r + 1] = Pair<T>::round(tile[row_in_tile + 1][y]);
-    }
-    const int thread = threadIdx.y * kThreadsX + threadIdx.x;
-    const int64_t c = col0 + thread;
-    if (squares_batch != nullptr && thread < kTile && c < n) {
-      const float square = squares_batch[blockIdx.y * n + c];
-      const float addend = to_float(addend_batch[blockIdx.y * n * n + c * n + c]);
-      matrix[c * n + c] = Pair<T>::round(shift + scale * addend + square_scale * square);
     }
     return;
   }
@@ -317,23 +389,6 @@ __global__ void __launch_bounds__(kThreadsX* kThreadsY)
     if (upper_row >= n || upper_col >= n) continue;
     store_pair(matrix, upper_col * n + upper_row, tile[row_in_tile][y], tile[row_in_tile + 1][y]);
   }
-}
-
-// squares[c] = sum over rows of column c's squares: one block per column (and matrix of the
-// batch), a fixed split over threads and a fixed reduction tree, so the same bits every call.
-template <typename T>
-__global__ void __launch_bounds__(kThreads)
-    column_squares_kernel(const T* matrix_batch, int64_t n, float* squares_batch) {
-  using Reduce = cub::BlockReduce<float, kThreads>;
-  __shared__ typename Reduce::TempStorage storage;
-  const T* column = matrix_batch + blockIdx.y * n * n + blockIdx.x * n;
-  float partial = 0.0f;
-  for (int64_t r = 2 * threadIdx.x; r < n; r += 2 * kThreads) {  // n is even
-    const float2 pair = load_pair(column, r);
-    partial += pair.x * pair.x + pair.y * pair.y;
-  }
-  const float sum = Reduce(storage).Sum(partial);
-  if (threadIdx.x == 0) squares_batch[blockIdx.y * n + blockIdx.x] = sum;
 }
 
 PackedTriangle packed_triangle_of(const SymmetricTiles& tiles) {
@@ -506,39 +561,45 @@ void divide_by_norm_cuda(const void* x, void* y, shardmuon_dtype dtype, int64_t 
 
 template <typename Source>
 void launch_unpack_symmetric(const Source* packed, const PackedTriangle& layout, dim3 grid,
-                             void* dst, shardmuon_dtype dst_type, float shift,
+                             void* dst, shardmuon_dtype dst_type, float shift, float* parts,
                              cudaStream_t stream) {
   const dim3 block(kThreadsX, kThreadsY);
   if (dst_type == SHARDMUON_FLOAT32) {
     unpack_symmetric_kernel<<<grid, block, 0, stream>>>(packed, layout, static_cast<float*>(dst),
-                                                        shift);
+                                                        shift, parts);
   } else {
-    unpack_symmetric_kernel<<<grid, block, 0, stream>>>(packed, layout,
-                                                        static_cast<__nv_bfloat16*>(dst), shift);
+    unpack_symmetric_kernel<<<grid, block, 0, stream>>>(
+        packed, layout, static_cast<__nv_bfloat16*>(dst), shift, parts);
   }
+}
+
+int64_t column_square_parts_cuda(int64_t n) {
+  return column_square_parts_of(n);
 }
 
 void unpack_symmetric_cuda(const void* packed, shardmuon_dtype src_type,
                            const SymmetricTiles& tiles, int64_t batch, void* dst,
-                           shardmuon_dtype dst_type, double shift, cudaStream_t stream) {
+                           shardmuon_dtype dst_type, double shift, void* square_parts,
+                           cudaStream_t stream) {
   if (src_type != SHARDMUON_FLOAT32 && src_type != SHARDMUON_BFLOAT16) {
     fail(SHARDMUON_ERROR_INTERNAL, "unpack_symmetric_cuda takes float32 or bfloat16 sources");
   }
   if (tiles.n == 0 || batch == 0) return;
   const PackedTriangle layout = packed_triangle_of(tiles);
   const dim3 grid = lower_tile_grid(tiles.n, batch);
+  float* parts = static_cast<float*>(square_parts);
   if (src_type == SHARDMUON_FLOAT32) {
     launch_unpack_symmetric(static_cast<const float*>(packed), layout, grid, dst, dst_type,
-                            static_cast<float>(shift), stream);
+                            static_cast<float>(shift), parts, stream);
   } else {
     launch_unpack_symmetric(static_cast<const __nv_bfloat16*>(packed), layout, grid, dst, dst_type,
-                            static_cast<float>(shift), stream);
+                            static_cast<float>(shift), parts, stream);
   }
   check_launch("unpack_symmetric_kernel");
 }
 
 void mirror_lower_cuda(void* matrix, shardmuon_dtype dtype, int64_t n, int64_t batch,
-                       const SymmetricDiagonal& diagonal, cudaStream_t stream) {
+                       const SymmetricDiagonal& diagonal, void* square_parts, cudaStream_t stream) {
   if (n == 0 || batch == 0) return;
   if (n % 2 != 0) fail(SHARDMUON_ERROR_INTERNAL, "mirror_lower_cuda takes an even side, not ", n);
   const dim3 grid = lower_tile_grid(n, batch);
@@ -547,33 +608,17 @@ void mirror_lower_cuda(void* matrix, shardmuon_dtype dtype, int64_t n, int64_t b
   const float square_scale = static_cast<float>(diagonal.square_scale),
               scale = static_cast<float>(diagonal.scale),
               shift = static_cast<float>(diagonal.shift);
+  float* parts = static_cast<float*>(square_parts);
   if (dtype == SHARDMUON_FLOAT32) {
     mirror_lower_kernel<<<grid, block, 0, stream>>>(
         static_cast<float*>(matrix), n, squares, square_scale, scale,
-        static_cast<const float*>(diagonal.addend), shift);
+        static_cast<const float*>(diagonal.addend), shift, parts);
   } else {
     mirror_lower_kernel<<<grid, block, 0, stream>>>(
         static_cast<__nv_bfloat16*>(matrix), n, squares, square_scale, scale,
-        static_cast<const __nv_bfloat16*>(diagonal.addend), shift);
+        static_cast<const __nv_bfloat16*>(diagonal.addend), shift, parts);
   }
   check_launch("mirror_lower_kernel");
-}
-
-void column_squares_cuda(const void* matrix, shardmuon_dtype dtype, int64_t n, int64_t batch,
-                         void* squares, cudaStream_t stream) {
-  if (n == 0 || batch == 0) return;
-  if (n % 2 != 0) fail(SHARDMUON_ERROR_INTERNAL, "column_squares_cuda takes an even side, not ", n);
-  if (n > 0x7fffffff) fail(SHARDMUON_ERROR_UNSUPPORTED, "matrix side ", n, " too large");
-  if (batch > 65535) fail(SHARDMUON_ERROR_UNSUPPORTED, "batch ", batch, " above 65535");
-  const dim3 grid(static_cast<unsigned int>(n), static_cast<unsigned int>(batch));
-  float* out = static_cast<float*>(squares);
-  if (dtype == SHARDMUON_FLOAT32) {
-    column_squares_kernel<<<grid, kThreads, 0, stream>>>(static_cast<const float*>(matrix), n, out);
-  } else {
-    column_squares_kernel<<<grid, kThreads, 0, stream>>>(static_cast<const __nv_bfloat16*>(matrix),
-                                                         n, out);
-  }
-  check_launch("column_squares_kernel");
 }
 
 }  // namespace shardmuon

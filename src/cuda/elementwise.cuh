@@ -20,15 +20,14 @@ void sum_of_squares_cuda(const void* x, shardmuon_dtype dtype, int64_t count, in
 void divide_by_norm_cuda(const void* x, void* y, shardmuon_dtype dtype, int64_t count,
                          int64_t batch, const void* sum_of_squares, double eps,
                          cudaStream_t stream);
+int64_t column_square_parts_cuda(int64_t n);
 void unpack_symmetric_cuda(const void* packed, shardmuon_dtype src_type,
                            const SymmetricTiles& tiles, int64_t batch, void* dst,
-                           shardmuon_dtype dst_type, double shift, cudaStream_t stream);
+                           shardmuon_dtype dst_type, double shift, void* square_parts,
+                           cudaStream_t stream);
 
 void mirror_lower_cuda(void* matrix, shardmuon_dtype dtype, int64_t n, int64_t batch,
-                       const SymmetricDiagonal& diagonal, cudaStream_t stream);
-
-void column_squares_cuda(const void* matrix, shardmuon_dtype dtype, int64_t n, int64_t batch,
-                         void* squares, cudaStream_t stream);
+                       const SymmetricDiagonal& diagonal, void* square_parts, cudaStream_t stream);
 
 // Backend::copy_2d between device buffers: `rows` rows of row_bytes each. A kernel moving the
 // widest unit that divides both pointers, both pitches and row_bytes; cudaMemcpy2DAsync
