@@ -60,6 +60,15 @@ cuda_tests() {
 # instead of 1024): the test matrices then split into several block columns whose starts are
 # not multiples of the unpacking kernel's 64-wide tiles, which the default width never gives
 # them.
+# The CUDA backend's symmetric passes against the CPU backend's (one GPU): the unpacking that
+# multi-rank Grams use is checked here even where only one GPU is lent.
+gpu_unit() {
+  local log="$out/gpu_unit.log"
+  timeout 120 $build/tests/shardmuon_gpu_unit_tests --gtest_brief=1 >"$log" 2>&1
+  local rc=$?
+  grep -E "Failure" -A3 "$log" | head -20
+  results+=("GPU unit tests: rc=$rc $(grep -E 'PASSED|FAILED  \]|SKIPPED \]' "$log" | sed 's/\x1b\[[0-9;]*m//g' | tr '\n' ' ')")
+}
 narrow_blocks() {
   local block log rc
   for block in 96 32; do
@@ -100,6 +109,7 @@ timeout_injection() {
 if [[ "$what" == "speed" ]]; then
   # The CUDA tests on 1 and 2 GPUs, the fault injection, then the Newton-Schulz benchmark
   # (bench/bench_newton_schulz.py; its table goes to $out).
+  gpu_unit
   cuda_tests tests '-Reliability.ARankThatNeverCalls*'
   narrow_blocks
   timeout_injection
@@ -143,6 +153,7 @@ fi
 if [[ "$what" == "final" ]]; then
   # The CUDA tests on 1 and 2 GPUs; compute-sanitizer memcheck, racecheck and synccheck over a
   # cross-section; the PyTorch front end's checks.
+  gpu_unit
   cuda_tests tests '-Reliability.ARankThatNeverCalls*'
   narrow_blocks
   timeout_injection
@@ -187,6 +198,7 @@ for ranks in 1 $([[ $gpus -ge 2 ]] && echo 2); do
   results+=("cuda tests on $ranks GPU(s): rc=$rc $(grep -E 'PASSED|FAILED  \]|SKIPPED \]' "$log" | sed 's/\x1b\[[0-9;]*m//g' | tr '\n' ' ')")
   results+=("  largest error/tolerance: $(grep -o 'ratio=[0-9.]*' "$log" | sort -t= -k2 -g | tail -1) over $(grep -c 'ratio=' "$log") checked cases")
 done
+gpu_unit
 # compute-sanitizer memcheck over a cross-section of the cases, on one GPU.
 if command -v compute-sanitizer >/dev/null 2>&1; then
   log="$out/memcheck.log"

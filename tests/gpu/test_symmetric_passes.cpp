@@ -1,0 +1,190 @@
+// The CUDA backend's symmetric passes (mirror_lower, unpack_symmetric, and the column squares
+// they take in parts) against the CPU backend's, on one GPU: the passes of the multi-rank
+// Gram (the unpacking) cannot otherwise be checked without two GPUs. Skipped without a GPU.
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/backend.h"
+#include "core/dtype.h"
+#include "core/symmetric_tiles.h"
+#include "cpu/cpu_backend.h"
+#include "cuda/cuda_backend.h"
+
+namespace shardmuon {
+namespace {
+
+class SymmetricPasses : public ::testing::TestWithParam<shardmuon_dtype> {
+ protected:
+  void SetUp() override {
+    int devices = 0;
+    if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+      cudaGetLastError();
+      GTEST_SKIP() << "no CUDA device";
+    }
+    cpu_ = make_cpu_backend();
+    cuda_ = make_cuda_backend(0);
+  }
+
+  // A device copy of host bytes, freed with the test.
+  void* on_device(const std::vector<char>& host) {
+    void* pointer = nullptr;
+    EXPECT_EQ(cudaMalloc(&pointer, host.size()), cudaSuccess);
+    EXPECT_EQ(cudaMemcpy(pointer, host.data(), host.size(), cudaMemcpyHostToDevice), cudaSuccess);
+    allocations_.emplace_back(pointer, cudaFree);
+    return pointer;
+  }
+  std::vector<char> to_host(const void* device, size_t bytes) {
+    std::vector<char> host(bytes);
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    EXPECT_EQ(cudaMemcpy(host.data(), device, bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+    return host;
+  }
+  static std::vector<char> random_elements(shardmuon_dtype dtype, int64_t count, uint32_t seed) {
+    std::mt19937 generator(seed);
+    std::normal_distribution<double> normal;
+    std::vector<char> data(static_cast<size_t>(count) * element_size(dtype));
+    for (int64_t i = 0; i < count; ++i) store_element(data.data(), dtype, i, normal(generator));
+    return data;
+  }
+  // Each column's sum of squares from the backend's parts (added in order, as the passes do).
+  static std::vector<double> column_squares(const Backend& backend, const std::vector<char>& parts,
+                                            int64_t n, int64_t batch) {
+    const int64_t count = backend.column_square_parts(n);
+    std::vector<double> squares(static_cast<size_t>(n * batch), 0.0);
+    for (int64_t m = 0; m < batch; ++m) {
+      for (int64_t c = 0; c < n; ++c) {
+        float sum = 0.0f;
+        for (int64_t k = 0; k < count; ++k) {
+          sum += static_cast<float>(
+              load_element(parts.data(), SHARDMUON_FLOAT32, (m * count + k) * n + c));
+        }
+        squares[m * n + c] = sum;
+      }
+    }
+    return squares;
+  }
+  static void expect_same_matrices(const std::vector<char>& expected, const std::vector<char>& got,
+                                   shardmuon_dtype dtype, int64_t count, const char* what) {
+    int64_t differing = 0;
+    for (int64_t i = 0; i < count; ++i) {
+      differing += load_element(expected.data(), dtype, i) != load_element(got.data(), dtype, i);
+    }
+    EXPECT_EQ(differing, 0) << what << ": entries differing from the CPU backend's";
+  }
+  static void expect_close_squares(const std::vector<double>& expected,
+                                   const std::vector<double>& got) {
+    ASSERT_EQ(expected.size(), got.size());
+    for (size_t i = 0; i < expected.size(); ++i) {
+      ASSERT_NEAR(got[i], expected[i], 1e-5 * expected[i]) << "column square " << i;
+    }
+  }
+
+  std::unique_ptr<Backend> cpu_, cuda_;
+  std::vector<std::unique_ptr<void, cudaError_t (*)(void*)>> allocations_;
+};
+
+// Sides: one tile, a partial last tile, several tiles with a partial one; a batch of two.
+constexpr int64_t kSides[] = {8, 72, 200, 1032};
+constexpr int64_t kBatch = 2;
+
+TEST_P(SymmetricPasses, MirrorMatchesTheCpuBackendWithItsColumnSquares) {
+  const shardmuon_dtype dtype = GetParam();
+  for (const int64_t n : kSides) {
+    SCOPED_TRACE("n " + std::to_string(n));
+    const int64_t elements = n * n * kBatch;
+    std::vector<char> cpu_matrix = random_elements(dtype, elements, 11);
+    void* device_matrix = on_device(cpu_matrix);
+    std::vector<char> cpu_parts(static_cast<size_t>(cpu_->column_square_parts(n) * n * kBatch) * 4);
+    const size_t cuda_parts_bytes =
+        static_cast<size_t>(cuda_->column_square_parts(n) * n * kBatch) * 4;
+    void* device_parts = on_device(std::vector<char>(cuda_parts_bytes));
+    cpu_->mirror_lower(cpu_matrix.data(), dtype, n, kBatch, SymmetricDiagonal{}, cpu_parts.data(),
+                       nullptr);
+    cuda_->mirror_lower(device_matrix, dtype, n, kBatch, SymmetricDiagonal{}, device_parts,
+                        nullptr);
+    const std::vector<char> cuda_parts = to_host(device_parts, cuda_parts_bytes);
+    expect_same_matrices(cpu_matrix, to_host(device_matrix, cpu_matrix.size()), dtype, elements,
+                         "mirrored");
+    expect_close_squares(column_squares(*cpu_, cpu_parts, n, kBatch),
+                         column_squares(*cuda_, cuda_parts, n, kBatch));
+
+    // A second matrix mirrored after its diagonal is set from A and the squares just taken
+    // (shift + scale A_ii + square_scale |A_:i|^2), as P's is.
+    std::vector<char> cpu_poly = random_elements(dtype, elements, 12);
+    void* device_poly = on_device(cpu_poly);
+    SymmetricDiagonal diagonal;
+    diagonal.square_scale = 0.25;
+    diagonal.scale = -1.5;
+    diagonal.shift = 3.0;
+    diagonal.addend = cpu_matrix.data();
+    diagonal.squares = cpu_parts.data();
+    cpu_->mirror_lower(cpu_poly.data(), dtype, n, kBatch, diagonal, nullptr, nullptr);
+    diagonal.addend = device_matrix;
+    diagonal.squares = device_parts;
+    cuda_->mirror_lower(device_poly, dtype, n, kBatch, diagonal, nullptr, nullptr);
+    const std::vector<char> got = to_host(device_poly, cpu_poly.size());
+    for (int64_t m = 0; m < kBatch; ++m) {
+      for (int64_t c = 0; c < n; ++c) {
+        for (int64_t r = 0; r < n; ++r) {
+          const int64_t i = m * n * n + c * n + r;
+          const double expected = load_element(cpu_poly.data(), dtype, i);
+          const double value = load_element(got.data(), dtype, i);
+          if (r != c) {
+            ASSERT_EQ(value, expected) << "entry (" << r << ", " << c << ") of matrix " << m;
+          } else {  // the squares' float sums may differ in the last bit: one rounding step
+            const double step =
+                std::ldexp(std::fabs(expected), dtype == SHARDMUON_BFLOAT16 ? -7 : -22);
+            ASSERT_NEAR(value, expected, std::max(step, 1e-5 * std::fabs(expected)))
+                << "diagonal " << c << " of matrix " << m;
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_P(SymmetricPasses, UnpackMatchesTheCpuBackendWithItsColumnSquares) {
+  const shardmuon_dtype dtype = GetParam();
+  for (const shardmuon_dtype source : {SHARDMUON_FLOAT32, SHARDMUON_BFLOAT16}) {
+    for (const int64_t n : kSides) {
+      SCOPED_TRACE("n " + std::to_string(n) + " source " + dtype_name(source));
+      const SymmetricTiles tiles = SymmetricTiles::split(n, 32);
+      const std::vector<char> packed =
+          random_elements(source, tiles.packed_elements() * kBatch, 13);
+      const void* device_packed = on_device(packed);
+      const int64_t elements = n * n * kBatch;
+      std::vector<char> cpu_matrix(static_cast<size_t>(elements) * element_size(dtype));
+      void* device_matrix = on_device(cpu_matrix);
+      std::vector<char> cpu_parts(static_cast<size_t>(cpu_->column_square_parts(n) * n * kBatch) *
+                                  4);
+      const size_t cuda_parts_bytes =
+          static_cast<size_t>(cuda_->column_square_parts(n) * n * kBatch) * 4;
+      void* device_parts = on_device(std::vector<char>(cuda_parts_bytes));
+      cpu_->unpack_symmetric(packed.data(), source, tiles, kBatch, cpu_matrix.data(), dtype, 0.75,
+                             cpu_parts.data(), nullptr);
+      cuda_->unpack_symmetric(device_packed, source, tiles, kBatch, device_matrix, dtype, 0.75,
+                              device_parts, nullptr);
+      expect_same_matrices(cpu_matrix, to_host(device_matrix, cpu_matrix.size()), dtype, elements,
+                           "unpacked");
+      expect_close_squares(
+          column_squares(*cpu_, cpu_parts, n, kBatch),
+          column_squares(*cuda_, to_host(device_parts, cuda_parts_bytes), n, kBatch));
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, SymmetricPasses,
+                         ::testing::Values(SHARDMUON_FLOAT32, SHARDMUON_BFLOAT16),
+                         [](const auto& param_info) {
+                           return std::string(dtype_name(param_info.param));
+                         });
+
+}  // namespace
+}  // namespace shardmuon
