@@ -184,12 +184,20 @@ __device__ __forceinline__ void store_pair(Destination* dst, int64_t index, floa
   *reinterpret_cast<typename Pair<Destination>::type*>(dst + index) = Pair<Destination>::make(x, y);
 }
 
-// The tile index of a lower 64 x 64 tile k = I (I + 1) / 2 + J of the grid, I >= J.
-__device__ void lower_tile_of(int64_t k, int64_t& tile_row, int64_t& tile_col) {
-  tile_row = static_cast<int64_t>((sqrt(8.0 * static_cast<double>(k) + 1.0) - 1.0) / 2.0);
-  while (tile_row * (tile_row + 1) / 2 > k) --tile_row;
-  while ((tile_row + 1) * (tile_row + 2) / 2 <= k) ++tile_row;
-  tile_col = k - tile_row * (tile_row + 1) / 2;
+// The lower 64 x 64 tile (I, J), I >= J, of block k of the grid: the diagonal tiles first
+// (k = I), then the others (k = tiles + I (I - 1) / 2 + J, J < I). A diagonal tile does the
+// most work (it adds up column squares, or sums both its triangles), so it starts in the
+// first wave rather than last.
+__device__ void lower_tile_of(int64_t k, int64_t tiles, int64_t& tile_row, int64_t& tile_col) {
+  if (k < tiles) {
+    tile_row = tile_col = k;
+    return;
+  }
+  k -= tiles;  // below the diagonal: row I >= 1 holds I tiles
+  tile_row = static_cast<int64_t>((sqrt(8.0 * static_cast<double>(k) + 1.0) + 1.0) / 2.0);
+  while (tile_row * (tile_row - 1) / 2 > k) --tile_row;
+  while ((tile_row + 1) * tile_row / 2 <= k) ++tile_row;
+  tile_col = k - tile_row * (tile_row - 1) / 2;
 }
 
 template <typename T>
@@ -252,7 +260,7 @@ __global__ void __launch_bounds__(kThreadsX* kThreadsY)
   const Source* packed = packed_batch + blockIdx.y * layout.packed_elements;
   Destination* dst = dst_batch + blockIdx.y * layout.n * layout.n;
   int64_t tile_row = 0, tile_col = 0;
-  lower_tile_of(blockIdx.x, tile_row, tile_col);
+  lower_tile_of(blockIdx.x, column_square_parts_of(layout.n), tile_row, tile_col);
 
   __shared__ float tile[kTile][kTile + 1];  // [column][row] of the lower tile (I, J)
   __shared__ PackedColumn columns[kTile];
@@ -300,19 +308,19 @@ __global__ void __launch_bounds__(kThreadsX* kThreadsY)
     const float second = r + 1 >= c ? tile[y][row_in_tile + 1] : tile[row_in_tile + 1][y];
     store_pair(dst, c * n + r, first, second);
   }
+  // Its mirror (J, I): column row0 + y, rows col0 + 2x and col0 + 2x + 1, which hold the
+  // lower entries (row0 + y, col0 + 2x) and (row0 + y, col0 + 2x + 1).
+  const int64_t upper_row = col0 + row_in_tile;
+  for (int y = threadIdx.y; y < kTile && tile_row != tile_col; y += kThreadsY) {
+    const int64_t upper_col = row0 + y;
+    if (upper_row >= n || upper_col >= n) continue;
+    store_pair(dst, upper_col * n + upper_row, tile[row_in_tile][y], tile[row_in_tile + 1][y]);
+  }
+  // The squares last, while the stores drain.
   if (parts_batch != nullptr) {
     __shared__ float scratch[8][kTile];
     write_square_parts(tile, scratch, tile_row, tile_col, n,
                        parts_batch + blockIdx.y * column_square_parts_of(n) * n);
-  }
-  if (tile_row == tile_col) return;
-  // Its mirror (J, I): column row0 + y, rows col0 + 2x and col0 + 2x + 1, which hold the
-  // lower entries (row0 + y, col0 + 2x) and (row0 + y, col0 + 2x + 1).
-  const int64_t upper_row = col0 + row_in_tile;
-  for (int y = threadIdx.y; y < kTile; y += kThreadsY) {
-    const int64_t upper_col = row0 + y;
-    if (upper_row >= n || upper_col >= n) continue;
-    store_pair(dst, upper_col * n + upper_row, tile[row_in_tile][y], tile[row_in_tile + 1][y]);
   }
 }
 
@@ -326,8 +334,8 @@ __global__ void __launch_bounds__(kThreadsX* kThreadsY)
                         float scale, const T* addend_batch, float shift, float* parts_batch) {
   T* matrix = matrix_batch + blockIdx.y * n * n;
   int64_t tile_row = 0, tile_col = 0;
-  lower_tile_of(blockIdx.x, tile_row, tile_col);
-  const int64_t parts = column_square_parts_of(n);
+  const int64_t parts = column_square_parts_of(n);  // also the tiles per side
+  lower_tile_of(blockIdx.x, parts, tile_row, tile_col);
 
   __shared__ float tile[kTile][kTile + 1];  // [column][row] of the lower tile (I, J)
   const int64_t row0 = tile_row * kTile, col0 = tile_col * kTile;
@@ -369,9 +377,6 @@ __global__ void __launch_bounds__(kThreadsX* kThreadsY)
     __syncthreads();
   }
 
-  if (parts_batch != nullptr) {
-    write_square_parts(tile, scratch, tile_row, tile_col, n, parts_batch + blockIdx.y * parts * n);
-  }
   if (tile_row == tile_col) {  // the upper triangle of this tile: column c, rows r < c
     for (int y = threadIdx.y; y < kTile; y += kThreadsY) {
       const int64_t c = col0 + y;
@@ -379,15 +384,19 @@ __global__ void __launch_bounds__(kThreadsX* kThreadsY)
       if (r < c) matrix[c * n + r] = Pair<T>::round(tile[row_in_tile][y]);
       if (r + 1 < c) matrix[c * n + r + 1] = Pair<T>::round(tile[row_in_tile + 1][y]);
     }
-    return;
+  } else {
+    // Tile (J, I): column row0 + y, rows col0 + 2x and col0 + 2x + 1, which hold the lower
+    // entries (row0 + y, col0 + 2x) and (row0 + y, col0 + 2x + 1).
+    const int64_t upper_row = col0 + row_in_tile;
+    for (int y = threadIdx.y; y < kTile; y += kThreadsY) {
+      const int64_t upper_col = row0 + y;
+      if (upper_row >= n || upper_col >= n) continue;
+      store_pair(matrix, upper_col * n + upper_row, tile[row_in_tile][y], tile[row_in_tile + 1][y]);
+    }
   }
-  // Tile (J, I): column row0 + y, rows col0 + 2x and col0 + 2x + 1, which hold the lower
-  // entries (row0 + y, col0 + 2x) and (row0 + y, col0 + 2x + 1).
-  const int64_t upper_row = col0 + row_in_tile;
-  for (int y = threadIdx.y; y < kTile; y += kThreadsY) {
-    const int64_t upper_col = row0 + y;
-    if (upper_row >= n || upper_col >= n) continue;
-    store_pair(matrix, upper_col * n + upper_row, tile[row_in_tile][y], tile[row_in_tile + 1][y]);
+  // The squares last, while the stores drain.
+  if (parts_batch != nullptr) {
+    write_square_parts(tile, scratch, tile_row, tile_col, n, parts_batch + blockIdx.y * parts * n);
   }
 }
 
