@@ -181,6 +181,16 @@ def triangle_elements(s, target=None, max_blocks=16, columns_per_launch=4):
     return sum(columns), sum(columns[last_group:])
 
 
+def product_triangle_elements(s):
+    """Elements of the lower tiles of the products into full matrices on one rank (a Gram
+    that is not summed, A A, (e)'s products): mirrors CudaBackend::product_tiles, 32 equal
+    blocks where s is a multiple of 4096 (unless SHARDMUON_SYMMETRIC_BLOCK overrides the
+    width), else the packed Gram's tiles."""
+    if "SHARDMUON_SYMMETRIC_BLOCK" not in os.environ and s % 4096 == 0:
+        return 32 * 33 // 2 * (s // 32) ** 2
+    return triangle_elements(s)[0]
+
+
 def floor_ms(s, length, iterations, rates, dtype_name, world, algorithm, gram_iteration=False):
     """shardmuon's executed GEMM flops over the measured GEMM rate, plus the communication
     it cannot hide. A summed Gram's all-reduce can only overlap the Gram's own products (what
@@ -194,8 +204,11 @@ def floor_ms(s, length, iterations, rates, dtype_name, world, algorithm, gram_it
     src/core/newton_schulz.h) and sums the Gram once per restart."""
     s, length = -(-s // 8) * 8, -(-length // 8) * 8  # the library pads to multiples of 8
     packed, last_group = triangle_elements(s)
-    local_length = length / world if world > 1 else length
-    gram, square, apply = 2 * packed * local_length, 2 * packed * s, 2 * s * s * local_length
+    products = product_triangle_elements(s)
+    summed = world > 1 and algorithm.startswith("gram")
+    local_length = length / world if summed else length  # (a) iterates on the whole matrix
+    gram = 2 * (packed if summed else products) * local_length
+    square, apply = 2 * products * s, 2 * s * s * local_length
     if gram_iteration:
         restart = 2
         flops = sum(square + (gram if k % restart == 0 else square) +
@@ -208,7 +221,7 @@ def floor_ms(s, length, iterations, rates, dtype_name, world, algorithm, gram_it
     rate = rates["gemm_" + dtype_name]
     compute = flops / rate * 1e3
     comm = 0.0
-    if world > 1 and algorithm.startswith("gram"):
+    if summed:
         sum_bytes = 2 if dtype_name == "bf16" else 4
         ring = 2 * (world - 1) / world / rates["all_reduce_bus"] * 1e3
         exposed = max(last_group * sum_bytes * ring, packed * sum_bytes * ring - gram / rate * 1e3)

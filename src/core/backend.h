@@ -199,6 +199,12 @@ class Backend {
   // How wide SymmetricTiles' blocks should be on this backend: narrower blocks save more
   // flops (the triangle), wider ones run the GEMMs faster.
   virtual int64_t symmetric_block_target() const = 0;
+  // The tiles of the symmetric products whose n x n results lie in full matrices on one rank
+  // (a Gram that is not summed, A A, (e)'s products). A summed Gram's packed tiles stay
+  // SymmetricTiles::split(n, symmetric_block_target()), the layout its all-reduces move.
+  virtual SymmetricTiles product_tiles(int64_t n) const {
+    return SymmetricTiles::split(n, symmetric_block_target());
+  }
   // How many partial sums the symmetric passes below split a column's sum of squares into
   // (the CUDA passes work on square tiles, each summing its own part). For a batch, matrix
   // b's parts are at b * parts * n; part k of column i is at k * n + i, and the column's sum

@@ -66,13 +66,14 @@ struct WideBlock {
 // Gram summed over a group is instead kept packed (in gram_sum_dtype), all-reduced, and
 // unpacked.
 struct IterationBuffers {
-  WideBlock padded;  // what the products run on (WideBlock::padded)
-  SymmetricTiles tiles;
-  void* x[2];            // ping-pong iterates, storage dtype
-  void* gram_packed;     // A's lower tiles, gram_sum_dtype, summed over a group
-  void* gram_full;       // A, storage dtype, the operand of A A
-  void* column_squares;  // |A_:i|^2 for P's diagonal, in the backend's column_square_parts
-  void* poly_full;       // P, storage dtype, the operand of P X
+  WideBlock padded;              // what the products run on (WideBlock::padded)
+  SymmetricTiles tiles;          // a summed Gram's packed tiles
+  SymmetricTiles product_tiles;  // the tiles of products into full matrices
+  void* x[2];                    // ping-pong iterates, storage dtype
+  void* gram_packed;             // A's lower tiles, gram_sum_dtype, summed over a group
+  void* gram_full;               // A, storage dtype, the operand of A A
+  void* column_squares;          // |A_:i|^2 for P's diagonal, in the backend's column_square_parts
+  void* poly_full;               // P, storage dtype, the operand of P X
   // (e) only: the accumulated polynomial M, and a spare full matrix for products.
   void* product_full;
   void* other_full;
@@ -84,7 +85,7 @@ struct IterationBuffers {
 
 struct IterationSlots {
   WideBlock padded;
-  SymmetricTiles tiles;
+  SymmetricTiles tiles, product_tiles;
   size_t x0, x1, gram_packed, gram_full, column_squares, poly_full, sum_of_squares, reduce_scratch;
   size_t product_full, other_full;
   size_t reduce_scratch_bytes;
@@ -101,6 +102,7 @@ struct IterationSlots {
     slots.padded = block.padded();
     const int64_t s = slots.padded.s;
     slots.tiles = SymmetricTiles::split(s, backend.symmetric_block_target());
+    slots.product_tiles = backend.product_tiles(s);
     slots.batch = batch;
     const size_t packed = static_cast<size_t>(slots.tiles.packed_elements() * batch);
     const size_t full = static_cast<size_t>(s * s * batch);
@@ -127,6 +129,7 @@ struct IterationSlots {
     IterationBuffers buffers;
     buffers.padded = padded;
     buffers.tiles = tiles;
+    buffers.product_tiles = product_tiles;
     buffers.x[0] = carver.pointer(x0);
     buffers.x[1] = carver.pointer(x1);
     buffers.gram_packed = carver.pointer(gram_packed);
@@ -419,7 +422,7 @@ struct GramOperand {
 void local_gram_product(Backend& backend, shardmuon_dtype dtype, const WideBlock& block,
                         const void* x, const IterationBuffers& buffers, Stream stream) {
   const size_t element = element_size(dtype);
-  const SymmetricTiles& tiles = buffers.tiles;
+  const SymmetricTiles& tiles = buffers.product_tiles;
   const int64_t s = tiles.n;
   GemmCall call;
   call.k = block.length;
@@ -592,7 +595,7 @@ void gram_polynomial(Backend& backend, shardmuon_dtype dtype, const Coefficients
   finish.scale = coefficients.b;
   finish.addend = a;
   finish.shift = coefficients.a;
-  symmetric_product(backend, dtype, buffers.tiles, buffers.batch, a, a, poly, stream,
+  symmetric_product(backend, dtype, buffers.product_tiles, buffers.batch, a, a, poly, stream,
                     coefficients.c, coefficients.b, a, finish);
 }
 
@@ -690,7 +693,7 @@ const void* iterate_on_gram(Backend& backend, Communicator* comm, const NsProble
                             PiecewiseExchange* exchange, Stream stream) {
   const shardmuon_dtype dtype = problem.dtype;
   const WideBlock& padded = buffers.padded;
-  const SymmetricTiles& tiles = buffers.tiles;
+  const SymmetricTiles& tiles = buffers.product_tiles;
   const size_t iterations = problem.coefficients.size();
   const size_t restart =
       static_cast<size_t>(gram_iteration_restart(dtype, static_cast<int>(iterations)));

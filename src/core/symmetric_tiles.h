@@ -54,6 +54,15 @@ struct SymmetricTiles {
     return tiles;
   }
 
+  // `blocks` blocks of n / blocks columns each (n a multiple of blocks).
+  static SymmetricTiles equal(int64_t n, int blocks) {
+    SymmetricTiles tiles;
+    tiles.n = n;
+    tiles.starts.clear();
+    for (int j = 0; j <= blocks; ++j) tiles.starts.push_back(j * (n / blocks));
+    return tiles;
+  }
+
   int blocks() const { return static_cast<int>(starts.size()) - 1; }
   int64_t start(int j) const { return starts[j]; }
   int64_t width(int j) const { return starts[j + 1] - starts[j]; }

@@ -39,7 +39,9 @@ void copy_2d_cuda(void* dst, size_t dst_pitch, const void* src, size_t src_pitch
 // batch of `batch`) is entry p * batch + m, at its pointer plus m times the stride (bytes).
 // The operands travel as kernel arguments, so a captured graph replays the same arrays.
 struct PointerArraySource {
-  static constexpr int kMaxProducts = 256;
+  // At least the 528 tiles of 32 blocks (CudaBackend::product_tiles), in one launch. The
+  // arrays travel as kernel arguments: 18 KB here, within the 32 KB CUDA 12.1 allows.
+  static constexpr int kMaxProducts = 576;
   const char* operands[4][kMaxProducts];  // a, b, c, d
   int64_t stride_bytes[4];
   int products;

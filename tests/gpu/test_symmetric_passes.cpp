@@ -180,6 +180,21 @@ TEST_P(SymmetricPasses, UnpackMatchesTheCpuBackendWithItsColumnSquares) {
   }
 }
 
+// The split of one rank's products: 32 equal blocks at multiples of 4096 (whole waves of
+// 128 x 128 thread-block tiles on an H200), else the packed Gram's split.
+TEST_P(SymmetricPasses, ProductTilesAreThirtyTwoEqualBlocksAtMultiplesOf4096) {
+  for (const int64_t n : {4096, 8192, 16384}) {
+    const SymmetricTiles tiles = cuda_->product_tiles(n);
+    ASSERT_EQ(tiles.blocks(), 32) << n;
+    EXPECT_EQ(tiles.width(31), n / 32) << n;
+  }
+  for (const int64_t n : {1032, 3008, 6144}) {
+    const SymmetricTiles tiles = cuda_->product_tiles(n);
+    const SymmetricTiles packed = SymmetricTiles::split(n, cuda_->symmetric_block_target());
+    EXPECT_EQ(tiles.starts, packed.starts) << n;
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Dtypes, SymmetricPasses,
                          ::testing::Values(SHARDMUON_FLOAT32, SHARDMUON_BFLOAT16),
                          [](const auto& param_info) {

@@ -33,6 +33,15 @@ TEST(SymmetricTiles, SplitsAtMultiplesOf32WithOneWidthButTheLast) {
   EXPECT_EQ(SymmetricTiles::split(60, 32).blocks(), 1);
 }
 
+TEST(SymmetricTiles, EqualBlocksSplitTheSideEvenly) {
+  const SymmetricTiles tiles = SymmetricTiles::equal(4096, 32);
+  ASSERT_EQ(tiles.blocks(), 32);
+  for (int j = 0; j < tiles.blocks(); ++j) EXPECT_EQ(tiles.width(j), 128);
+  EXPECT_EQ(tiles.starts.back(), 4096);
+  // 528 tiles of 128 x 128: 32 * 33 / 2 of them.
+  EXPECT_EQ(tiles.packed_elements(), 528 * 128 * 128);
+}
+
 TEST(SymmetricTiles, PackedIndexCoversTheLowerTilesOnce) {
   for (int64_t n : {64, 104, 136, 200}) {
     const SymmetricTiles tiles = SymmetricTiles::split(n, 32);
