@@ -183,7 +183,7 @@ def triangle_elements(s, target=None, max_blocks=16, columns_per_launch=4):
 
 def product_triangle_elements(s):
     """Elements of the lower tiles of the products into full matrices on one rank (a Gram
-    that is not summed, A A, (e)'s products): mirrors CudaBackend::product_tiles, 32 equal
+    that is not summed, A A, (e)'s products): mirrors SymmetricTiles::for_products, 32 equal
     blocks where s is a multiple of 4096 (unless SHARDMUON_SYMMETRIC_BLOCK overrides the
     width), else the packed Gram's tiles."""
     if "SHARDMUON_SYMMETRIC_BLOCK" not in os.environ and s % 4096 == 0:

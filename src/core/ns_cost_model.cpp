@@ -18,10 +18,13 @@ struct ProductCosts {
   double unpack = 0;  // one unpacking pass: the float32 triangle read, the whole matrix written
 };
 
-ProductCosts product_costs(int64_t s, int64_t length, const MachineModel& machine) {
+ProductCosts product_costs(int64_t s, int64_t length, int ranks, const MachineModel& machine) {
   s = padded_extent(s);
   length = padded_extent(length);
   const SymmetricTiles tiles = SymmetricTiles::split(s, machine.symmetric_block_target);
+  // Products into full matrices on one rank have tiles of their own.
+  const double product_elements = static_cast<double>(
+      SymmetricTiles::for_products(s, machine.symmetric_block_target).packed_elements());
   ProductCosts cost;
   // The Gram runs (and is all-reduced) in groups of block columns; the last group's
   // reduction is the one left in the open.
@@ -33,9 +36,10 @@ ProductCosts product_costs(int64_t s, int64_t length, const MachineModel& machin
   const double rate = machine.gemm_flops_per_second;
   const double gemms = machine.seconds_per_gemm;
   const double sd = static_cast<double>(s), ld = static_cast<double>(length);
-  // A product's tiles run as one launch, or one per group of block columns.
-  cost.gram = 2 * cost.packed_elements * ld / rate + groups * gemms;
-  cost.square = 2 * cost.packed_elements * sd / rate + gemms;
+  // A product's tiles run as one launch, or a summed Gram's one per group of block columns.
+  cost.gram = ranks > 1 ? 2 * cost.packed_elements * ld / rate + groups * gemms
+                        : 2 * product_elements * ld / rate + gemms;
+  cost.square = 2 * product_elements * sd / rate + gemms;
   cost.apply = 2 * sd * sd * ld / rate + gemms;
   cost.unpack = (4 * cost.packed_elements + machine.element_bytes * sd * sd) /
                 machine.memory_bytes_per_second;
@@ -62,7 +66,7 @@ double exposed_all_reduce_seconds(const ProductCosts& products, int ranks,
 // tiles), X <- P X, and two passes completing the symmetric matrices. (e): see NsCostInputs.
 double iterations_seconds(int64_t s, int64_t length, int ranks, const NsCostInputs& inputs,
                           const MachineModel& machine) {
-  const ProductCosts products = product_costs(s, length, machine);
+  const ProductCosts products = product_costs(s, length, ranks, machine);
   const double gram = products.gram + exposed_all_reduce_seconds(products, ranks, machine);
   if (inputs.gram_iteration_restart <= 0) {
     return inputs.iterations * (gram + products.square + products.apply + 2 * products.unpack);

@@ -63,6 +63,25 @@ struct SymmetricTiles {
     return tiles;
   }
 
+  // The split of the products whose results lie in full matrices on one rank (a Gram that
+  // is not summed, A A, (e)'s products) for a GPU whose GEMMs cover them with 128 x 128
+  // thread-block tiles on 132 SMs (an H200), at the default block target: 32 equal blocks
+  // where they are multiples of 128 wide (n a multiple of 4096). That is 528 tiles in whole
+  // waves of thread blocks (4 x 132 at n = 4096, 16 x 132 at 8192), and fewer flops than
+  // 512-wide blocks at 4096. Measured on an H200, bf16, one launch of a product's tiles
+  // (k = n): n = 4096, 105.9 / 105.4 us (X X^T / A A) against 113.2 / 118.1 us with blocks of
+  // 512; n = 8192, 832.8 / 871.0 against 970.4 / 954.0 us (docs/BENCHMARKS.md, tenth
+  // session). Otherwise split(n, target).
+  static constexpr int64_t kDefaultBlockTarget = 512;
+  static SymmetricTiles for_products(int64_t n, int64_t target) {
+    constexpr int kWaveBlocks = 32;
+    constexpr int64_t kThreadBlockTile = 128;
+    if (target == kDefaultBlockTarget && n > 0 && n % (kWaveBlocks * kThreadBlockTile) == 0) {
+      return equal(n, kWaveBlocks);
+    }
+    return split(n, target);
+  }
+
   int blocks() const { return static_cast<int>(starts.size()) - 1; }
   int64_t start(int j) const { return starts[j]; }
   int64_t width(int j) const { return starts[j + 1] - starts[j]; }

@@ -243,21 +243,9 @@ class CudaBackend final : public Backend {
 
   int64_t symmetric_block_target() const override { return symmetric_block_target_; }
 
-  // 32 equal blocks where they are multiples of 128 wide (n a multiple of 4096): 528 tiles,
-  // which cuBLASLt's 128 x 128 thread-block tiles cover in whole waves of an H200's 132 SMs
-  // (4 x 132 at n = 4096, 16 x 132 at 8192), with fewer flops than 512-wide blocks at 4096.
-  // Measured on an H200, bf16, one launch of a product's tiles (k = n): 4096, 105.9 / 105.4 us
-  // (X X^T / A A) against 113.2 / 118.1 us with blocks of 512; 8192, 832.8 / 871.0 against
-  // 970.4 / 954.0 us (docs/BENCHMARKS.md, tenth session). Elsewhere, or with the block target
-  // overridden, the packed Gram's split.
+  // Whole waves of thread blocks where the side allows (SymmetricTiles::for_products).
   SymmetricTiles product_tiles(int64_t n) const override {
-    constexpr int kWaveBlocks = 32;
-    constexpr int64_t kThreadBlockTile = 128;
-    if (symmetric_block_target_ == kDefaultSymmetricBlockTarget &&
-        n % (kWaveBlocks * kThreadBlockTile) == 0) {
-      return SymmetricTiles::equal(n, kWaveBlocks);
-    }
-    return SymmetricTiles::split(n, symmetric_block_target_);
+    return SymmetricTiles::for_products(n, symmetric_block_target_);
   }
 
   int64_t column_square_parts(int64_t n) const override { return column_square_parts_cuda(n); }
@@ -300,8 +288,7 @@ class CudaBackend final : public Backend {
   // where 1024-wide block columns did not (a whole 4096^2 call on an H200, measured when the
   // tiles came in: 2.48 ms at 512 against 2.55 at 1024); a summed Gram of side 4096 then
   // computes 36/64 of the full product (products on one rank: product_tiles).
-  static constexpr int64_t kDefaultSymmetricBlockTarget = 512;
-  int64_t symmetric_block_target_ = kDefaultSymmetricBlockTarget;
+  int64_t symmetric_block_target_ = SymmetricTiles::kDefaultBlockTarget;
   int device_sms_ = 0;
   // SMs that GEMMs overlapping a collective leave free for it (cuBLASLt's SM count target).
   // 32 measured best of 0, 16 and 32 on 2 H200s (docs/BENCHMARKS.md): up to 7% faster at

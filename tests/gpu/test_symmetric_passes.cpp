@@ -180,8 +180,9 @@ TEST_P(SymmetricPasses, UnpackMatchesTheCpuBackendWithItsColumnSquares) {
   }
 }
 
-// The split of one rank's products: 32 equal blocks at multiples of 4096 (whole waves of
-// 128 x 128 thread-block tiles on an H200), else the packed Gram's split.
+// The split of one rank's products on CUDA: 32 equal blocks at multiples of 4096 (whole waves
+// of 128 x 128 thread-block tiles on an H200, SymmetricTiles::for_products), else the packed
+// Gram's split.
 TEST_P(SymmetricPasses, ProductTilesAreThirtyTwoEqualBlocksAtMultiplesOf4096) {
   for (const int64_t n : {4096, 8192, 16384}) {
     const SymmetricTiles tiles = cuda_->product_tiles(n);

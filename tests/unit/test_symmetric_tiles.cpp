@@ -42,6 +42,16 @@ TEST(SymmetricTiles, EqualBlocksSplitTheSideEvenly) {
   EXPECT_EQ(tiles.packed_elements(), 528 * 128 * 128);
 }
 
+TEST(SymmetricTiles, ProductsRunInThirtyTwoBlocksOnlyAtMultiplesOf4096AndTheDefaultTarget) {
+  EXPECT_EQ(SymmetricTiles::for_products(4096, 512).blocks(), 32);
+  EXPECT_EQ(SymmetricTiles::for_products(16384, 512).width(0), 512);
+  EXPECT_EQ(SymmetricTiles::for_products(6144, 512).starts,
+            SymmetricTiles::split(6144, 512).starts);
+  EXPECT_EQ(SymmetricTiles::for_products(4096, 96).starts, SymmetricTiles::split(4096, 96).starts);
+  EXPECT_EQ(SymmetricTiles::for_products(3008, 512).starts,
+            SymmetricTiles::split(3008, 512).starts);
+}
+
 TEST(SymmetricTiles, PackedIndexCoversTheLowerTilesOnce) {
   for (int64_t n : {64, 104, 136, 200}) {
     const SymmetricTiles tiles = SymmetricTiles::split(n, 32);
