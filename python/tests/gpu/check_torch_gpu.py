@@ -200,7 +200,8 @@ def single_gpu_checks(device):
 
 
 def main():
-    if "WORLD_SIZE" in os.environ:
+    # The sharded checks need two ranks; under torchrun with one process, the one-GPU checks.
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         local = int(os.environ["LOCAL_RANK"])
         torch.cuda.set_device(local)
         dist.init_process_group("nccl")
