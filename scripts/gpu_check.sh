@@ -56,10 +56,6 @@ cuda_tests() {
     fi
   done
 }
-# The Newton-Schulz and step tests on 1 GPU with narrow symmetric blocks (96 and 32 columns
-# instead of 1024): the test matrices then split into several block columns whose starts are
-# not multiples of the unpacking kernel's 64-wide tiles, which the default width never gives
-# them.
 # The CUDA backend's symmetric passes against the CPU backend's (one GPU): the unpacking that
 # multi-rank Grams use is checked here even where only one GPU is lent.
 gpu_unit() {
@@ -69,6 +65,10 @@ gpu_unit() {
   grep -E "Failure" -A3 "$log" | head -20
   results+=("GPU unit tests: rc=$rc $(grep -E 'PASSED|FAILED  \]|SKIPPED \]' "$log" | sed 's/\x1b\[[0-9;]*m//g' | tr '\n' ' ')")
 }
+# The Newton-Schulz and step tests on 1 GPU with narrow symmetric blocks (96 and 32 columns
+# instead of 1024): the test matrices then split into several block columns whose starts are
+# not multiples of the unpacking kernel's 64-wide tiles, which the default width never gives
+# them.
 narrow_blocks() {
   local block log rc
   for block in 96 32; do

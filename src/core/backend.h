@@ -208,7 +208,7 @@ class Backend {
   // How many partial sums the symmetric passes below split a column's sum of squares into
   // (the CUDA passes work on square tiles, each summing its own part). For a batch, matrix
   // b's parts are at b * parts * n; part k of column i is at k * n + i, and the column's sum
-  // is its parts added in order k = 0, 1, ... (the same bits on every call).
+  // is its parts added in a fixed order (the same bits on every call).
   virtual int64_t column_square_parts(int64_t n) const = 0;
   // dst (n x n, column-major, dst_type) = the symmetric matrix whose lower block columns
   // `packed` (src_type) holds in the layout of `tiles`, plus shift * I, rounded once to

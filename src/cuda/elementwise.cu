@@ -327,7 +327,7 @@ __global__ void __launch_bounds__(kThreadsX* kThreadsY)
 // mirror_lower, one 64 x 64 tile pair per thread block as in unpack_symmetric_kernel: the lower
 // tile (I, J) is read into shared memory, then written transposed to tile (J, I), or, on a
 // diagonal tile, to its own upper triangle, whose diagonal is set first from the addend's
-// column squares (their parts, added in order) when there are some.
+// column squares (their parts, added in a fixed order) when there are some.
 template <typename T>
 __global__ void __launch_bounds__(kThreadsX* kThreadsY)
     mirror_lower_kernel(T* matrix_batch, int64_t n, const float* squares_batch, float square_scale,
