@@ -15,7 +15,11 @@ struct ProductCosts {
   double gram = 0;    // X X^T
   double square = 0;  // an s x s x s product whose result is symmetric (A A, Q M, ...)
   double apply = 0;   // P X
-  double unpack = 0;  // one unpacking pass: the float32 triangle read, the whole matrix written
+  // One pass completing a symmetric matrix, priced as unpacking a summed Gram moves it: the
+  // float32 triangle read, the whole matrix written. A one-rank mirror moves about half as
+  // many bytes but takes about as long: 16 us per pass at 4096^2 bf16 on an H200 (10 passes,
+  // 161 us, in the tenth session's profile), where this price gives 19 us at 3.5 TB/s.
+  double unpack = 0;
 };
 
 ProductCosts product_costs(int64_t s, int64_t length, int ranks, const MachineModel& machine) {

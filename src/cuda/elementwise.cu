@@ -157,8 +157,9 @@ struct PackedRow {
 };
 
 constexpr int kTile = 64;
-// The column-square parts of an n x n matrix: one per band of kTile rows of tiles.
-__host__ __device__ inline int64_t column_square_parts_of(int64_t n) {
+// The kTile-wide tiles along a side of an n x n matrix. A column's squares come in as many
+// parts, one per band of tiles (Backend::column_square_parts).
+__host__ __device__ inline int64_t tiles_per_side(int64_t n) {
   return (n + kTile - 1) / kTile;
 }
 constexpr int kThreadsX = 32;  // times two rows: a tile column
@@ -260,7 +261,7 @@ __global__ void __launch_bounds__(kThreadsX* kThreadsY)
   const Source* packed = packed_batch + blockIdx.y * layout.packed_elements;
   Destination* dst = dst_batch + blockIdx.y * layout.n * layout.n;
   int64_t tile_row = 0, tile_col = 0;
-  lower_tile_of(blockIdx.x, column_square_parts_of(layout.n), tile_row, tile_col);
+  lower_tile_of(blockIdx.x, tiles_per_side(layout.n), tile_row, tile_col);
 
   __shared__ float tile[kTile][kTile + 1];  // [column][row] of the lower tile (I, J)
   __shared__ PackedColumn columns[kTile];
@@ -310,17 +311,19 @@ __global__ void __launch_bounds__(kThreadsX* kThreadsY)
   }
   // Its mirror (J, I): column row0 + y, rows col0 + 2x and col0 + 2x + 1, which hold the
   // lower entries (row0 + y, col0 + 2x) and (row0 + y, col0 + 2x + 1).
-  const int64_t upper_row = col0 + row_in_tile;
-  for (int y = threadIdx.y; y < kTile && tile_row != tile_col; y += kThreadsY) {
-    const int64_t upper_col = row0 + y;
-    if (upper_row >= n || upper_col >= n) continue;
-    store_pair(dst, upper_col * n + upper_row, tile[row_in_tile][y], tile[row_in_tile + 1][y]);
+  if (tile_row != tile_col) {
+    const int64_t upper_row = col0 + row_in_tile;
+    for (int y = threadIdx.y; y < kTile; y += kThreadsY) {
+      const int64_t upper_col = row0 + y;
+      if (upper_row >= n || upper_col >= n) continue;
+      store_pair(dst, upper_col * n + upper_row, tile[row_in_tile][y], tile[row_in_tile + 1][y]);
+    }
   }
   // The squares last, while the stores drain.
   if (parts_batch != nullptr) {
     __shared__ float scratch[8][kTile];
     write_square_parts(tile, scratch, tile_row, tile_col, n,
-                       parts_batch + blockIdx.y * column_square_parts_of(n) * n);
+                       parts_batch + blockIdx.y * tiles_per_side(n) * n);
   }
 }
 
@@ -334,7 +337,7 @@ __global__ void __launch_bounds__(kThreadsX* kThreadsY)
                         float scale, const T* addend_batch, float shift, float* parts_batch) {
   T* matrix = matrix_batch + blockIdx.y * n * n;
   int64_t tile_row = 0, tile_col = 0;
-  const int64_t parts = column_square_parts_of(n);  // also the tiles per side
+  const int64_t parts = tiles_per_side(n);  // the column squares' parts
   lower_tile_of(blockIdx.x, parts, tile_row, tile_col);
 
   __shared__ float tile[kTile][kTile + 1];  // [column][row] of the lower tile (I, J)
@@ -421,8 +424,8 @@ PackedTriangle packed_triangle_of(const SymmetricTiles& tiles) {
 
 // One block per lower 64 x 64 tile, the batch along y.
 dim3 lower_tile_grid(int64_t n, int64_t batch) {
-  const int64_t tile_count = (n + kTile - 1) / kTile;
-  const int64_t lower_tiles = tile_count * (tile_count + 1) / 2;
+  const int64_t tiles = tiles_per_side(n);
+  const int64_t lower_tiles = tiles * (tiles + 1) / 2;
   if (lower_tiles > int64_t{0x7fffffff})
     fail(SHARDMUON_ERROR_UNSUPPORTED, "matrix side ", n, " too large");
   if (batch > 65535) fail(SHARDMUON_ERROR_UNSUPPORTED, "batch ", batch, " above 65535");
@@ -583,7 +586,7 @@ void launch_unpack_symmetric(const Source* packed, const PackedTriangle& layout,
 }
 
 int64_t column_square_parts_cuda(int64_t n) {
-  return column_square_parts_of(n);
+  return tiles_per_side(n);
 }
 
 void unpack_symmetric_cuda(const void* packed, shardmuon_dtype src_type,
