@@ -21,6 +21,11 @@ algorithm. The floor is shardmuon's executed GEMM flops per GPU (its symmetric p
 included; (e)'s own where the algorithm column says "+ (e)") over the GEMM rate measured at the start of the run, plus the communication it
 cannot hide at the all-reduce / all-to-all rates measured there.
 Errors: relative Frobenius distance to a float64 Newton-Schulz of the gathered matrix.
+Power: under sustained bf16 GEMMs an H200 reaches its 700 W cap and lowers its SM clock (from
+1980 MHz to about 1500 in the eleventh session's runs), so a row can run at a lower clock than
+the GEMM rate measured at the start. Each shardmuon row therefore also gives the SM clock
+during its timed calls (median, from NVML, rank 0's) and the GEMM rate measured again right
+after them, in the same power state, with its time over the floor at that rate.
 """
 
 from __future__ import annotations
@@ -117,13 +122,22 @@ def exchange_blocks(x, cut_dim, cut_sizes, join_dim, join_sizes, rank):
 
 # -- measuring ------------------------------------------------------------------------------
 
+def sm_clock_mhz():
+    """The SM clock now (NVML, through torch), or None where it cannot be read."""
+    try:
+        return float(torch.cuda.clock_rate())
+    except Exception:  # no NVML binding: the clock column shows "-"
+        return None
+
+
 class Timer:
     def __init__(self, warmups, repeats, world):
         self.warmups, self.repeats, self.world = warmups, repeats, world
+        self.clock_mhz = None  # the median SM clock after the last measurement's timed calls
 
     def median_ms(self, prepare, run, across_ranks=True):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        times = []
+        times, clocks = [], []
         for i in range(self.warmups + self.repeats):
             prepare()
             torch.cuda.synchronize()
@@ -135,20 +149,38 @@ class Timer:
             end.synchronize()
             if i >= self.warmups:
                 times.append(start.elapsed_time(end))
+                clocks.append(sm_clock_mhz())
+        self.clock_mhz = None if None in clocks else statistics.median(clocks)
         median = torch.tensor(statistics.median(times), device="cuda")
         if self.world > 1 and across_ranks:
             dist.all_reduce(median, op=dist.ReduceOp.MAX)
         return float(median)
 
 
-def measure_rates(timer, world):
-    """The ceilings of this run: GEMM rates, all-reduce bus bandwidth, all-to-all rate."""
-    rates = {}
-    for name, dtype, n in (("bf16", torch.bfloat16, 8192), ("fp32", torch.float32, 4096)):
-        a = torch.randn(n, n, device="cuda").to(dtype)
-        b = torch.randn(n, n, device="cuda").to(dtype)
-        ms = timer.median_ms(lambda: None, lambda: a @ b, across_ranks=False)
-        rates["gemm_" + name] = 2 * n**3 / (ms * 1e-3)
+class GemmRate:
+    """The GEMM rate of one dtype: the product of two n x n matrices (8192 for bf16, 4096 for
+    float32), timed as everything else is. Measured once at the start (the floor's rate) and
+    again after each shardmuon row (the rate in that row's power state); with more than one
+    rank, the slowest rank's."""
+
+    def __init__(self, dtype_name):
+        self.n = 8192 if dtype_name == "bf16" else 4096
+        self.a = torch.randn(self.n, self.n, device="cuda").to(DTYPES[dtype_name])
+        self.b = torch.randn(self.n, self.n, device="cuda").to(DTYPES[dtype_name])
+        self.start_rate = None  # FLOP/s, set by measure_rates
+
+    def measure(self, timer, across_ranks):
+        ms = timer.median_ms(lambda: None, lambda: self.a @ self.b, across_ranks=across_ranks)
+        return 2 * self.n**3 / (ms * 1e-3)
+
+
+def measure_rates(timer, world, gemm_rates):
+    """The ceilings of this run: GEMM rates, all-reduce bus bandwidth, all-to-all rate, and
+    the SM clock (MHz) during each GEMM measurement."""
+    rates, clocks = {}, {}
+    for name, gemm in gemm_rates.items():
+        gemm.start_rate = rates["gemm_" + name] = gemm.measure(timer, across_ranks=False)
+        clocks["gemm_" + name] = timer.clock_mhz
     if world > 1:
         buffer = torch.randn(64 * 2**20, device="cuda")  # 256 MiB of float32
         ms = timer.median_ms(lambda: None, lambda: dist.all_reduce(buffer))
@@ -157,7 +189,19 @@ def measure_rates(timer, world):
         recv = torch.empty_like(send)
         ms = timer.median_ms(lambda: None, lambda: dist.all_to_all_single(recv, send))
         rates["all_to_all"] = send.numel() * 4 * (world - 1) / world / (ms * 1e-3)  # bytes leaving a rank
-    return rates
+    return rates, clocks
+
+
+def power_columns(timer, gemm, compute, comm, ms, across_ranks):
+    """The last three columns of a shardmuon row, measured right after its timed calls: the
+    SM clock during them, the GEMM rate now, and the time over the floor at that rate (the
+    floor's compute part rescaled from the start's rate)."""
+    clock = timer.clock_mhz
+    start_rate = gemm.start_rate
+    rate_now = gemm.measure(timer, across_ranks)
+    floor_now = compute * start_rate / rate_now + comm
+    clock_text = "-" if clock is None else f"{clock:.0f}"
+    return f"{clock_text} | {rate_now / 1e12:.0f} | {ms / floor_now:.2f}"
 
 
 def triangle_elements(s, target=None, max_blocks=16, columns_per_launch=4):
@@ -283,7 +327,8 @@ def main():
     # The 1-GPU rows run over a group of one (no cross-rank argument check in the call).
     alone = dist.new_subgroups(group_size=1)[0] if world > 1 else None
     timer = Timer(args.warmups, args.repeats, world)
-    rates = measure_rates(timer, world)
+    gemm_rates = {name: GemmRate(name) for name in args.dtypes.split(",")}
+    rates, clocks = measure_rates(timer, world, gemm_rates)
     optim_muon = torch_optim_muon_function()
 
     lines = []
@@ -297,13 +342,14 @@ def main():
          f"torch {torch.__version__}, NCCL {torch.cuda.nccl.version()}, "
          f"torch.optim.Muon function {'found' if optim_muon else 'not found'}")
     emit("rates measured in this run: " + ", ".join(
-        f"{k} {v / 1e12:.1f} TFLOP/s" if k.startswith("gemm") else f"{k} {v / 1e9:.0f} GB/s"
+        f"{k} {v / 1e12:.1f} TFLOP/s" + (f" (SM clock {clocks[k]:.0f} MHz)" if clocks.get(k) else "")
+        if k.startswith("gemm") else f"{k} {v / 1e9:.0f} GB/s"
         for k, v in rates.items()))
     emit("")
     emit("| shape | dtype | schedule | GPUs | shards | algorithm | shardmuon (ms) | useful TFLOP/s | "
          "error | passes | torch 1-GPU (ms) | x | all-gather (ms) | x | gram (ms) | x | "
-         "floor (ms) compute+comm | time/floor |")
-    emit("|" + "---|" * 18)
+         "floor (ms) compute+comm | time/floor | SM MHz | GEMM now (TFLOP/s) | time/floor now |")
+    emit("|" + "---|" * 21)
 
     failures = 0
     for dtype_name in args.dtypes.split(","):
@@ -329,6 +375,9 @@ def main():
                 work = torch.empty_like(matrix)
                 ms = timer.median_ms(lambda: work.copy_(matrix), lambda: ns_local(work, (rows, cols)),
                                      across_ranks=False)
+                compute, comm = floor_ms(s, length, steps, rates, dtype_name, 1, "local",
+                                         local_gram_iteration)
+                power = power_columns(timer, gemm_rates[dtype_name], compute, comm, ms, across_ranks=False)
                 error = relative_error(work, reference)
                 use_own = optim_muon is not None and dtype_name == "bf16" and schedule == "quintic"
 
@@ -344,15 +393,13 @@ def main():
                 own_reference = (torch_newton_schulz(matrix.double(), [coefficients[0]] * steps, torch.float64)
                                  if use_own else reference)
                 torch_error = relative_error(torch_one(), own_reference)
-                compute, comm = floor_ms(s, length, steps, rates, dtype_name, 1, "local",
-                                         local_gram_iteration)
                 passes = error <= tolerance
                 failures += 0 if passes else 1
                 emit(f"| {rows}x{cols} | {dtype_name} | {schedule} {steps} | 1 | - | "
                      f"{label('local', local_gram_iteration)} | {ms:.2f} | "
                      f"{useful / ms / 1e9:.0f} | {error:.2e} | {'yes' if passes else 'NO'} | "
                      f"{torch_ms:.2f}{' (own fn)' if use_own else ''} err {torch_error:.1e} | "
-                     f"{torch_ms / ms:.2f} | | | | | {compute:.2f}+0 | {ms / compute:.2f} |")
+                     f"{torch_ms / ms:.2f} | | | | | {compute:.2f}+0 | {ms / compute:.2f} | {power} |")
                 if world == 1:
                     continue
 
@@ -367,6 +414,9 @@ def main():
                     gram_iteration = ns.uses_gram_iteration((rows, cols), dim, sizes)
                     work = torch.empty_like(shard)
                     ms = timer.median_ms(lambda: work.copy_(shard), lambda: ns(work, (rows, cols), dim, sizes))
+                    compute, comm = floor_ms(s, length, steps, rates, dtype_name, world, algorithm,
+                                             gram_iteration)
+                    power = power_columns(timer, gemm_rates[dtype_name], compute, comm, ms, across_ranks=True)
                     error = relative_error(gather_shards(work, dim, sizes, world), reference)
 
                     def all_gather_baseline():
@@ -396,8 +446,6 @@ def main():
                     gram_ms = timer.median_ms(lambda: None, gram_baseline)
                     gram_baseline()
                     gram_error = relative_error(gather_shards(gram_out, dim, sizes, world), reference)
-                    compute, comm = floor_ms(s, length, steps, rates, dtype_name, world, algorithm,
-                                             gram_iteration)
                     passes = error <= tolerance
                     failures += 0 if passes else 1
                     uneven = "" if len(set(sizes)) == 1 else " uneven"
@@ -405,8 +453,8 @@ def main():
                          f"{label(algorithm, gram_iteration)} | {ms:.2f} | {useful / ms / 1e9:.0f} | {error:.2e} | "
                          f"{'yes' if passes else 'NO'} | | | {gather_ms:.2f} err {gather_error:.1e} | "
                          f"{gather_ms / ms:.2f} | {gram_ms:.2f} err {gram_error:.1e} | {gram_ms / ms:.2f} | "
-                         f"{compute:.2f}+{comm:.2f} | {ms / (compute + comm):.2f} |")
-                del matrix, reference, work
+                         f"{compute:.2f}+{comm:.2f} | {ms / (compute + comm):.2f} | {power} |")
+                matrix = reference = work = None  # freed before empty_cache
                 torch.cuda.empty_cache()
 
     emit("")
