@@ -13,7 +13,7 @@ export PATH="/opt/torch/.venv/bin:$PATH:/usr/local/cuda/bin" OPENBLAS_NUM_THREAD
 export SHARDMUON_TEST_REPORT_ERRORS=1  # the tests print each case's error and tolerance
 mpi=(mpirun --allow-run-as-root --oversubscribe -x NCCL_NVLS_ENABLE -x TORCH_SYMM_MEM_DISABLE_MULTICAST
      -x NVSHMEM_DISABLE_NVLS -x OPENBLAS_NUM_THREADS -x SHARDMUON_TEST_REPORT_ERRORS)
-what="${1:-all}"  # all | tests | torch | final | timeout | speed | step
+what="${1:-all}"  # all | tests | torch | final | timeout | speed | step | sanitize
 gpus=$(nvidia-smi -L | wc -l)
 nvidia-smi -L
 echo "gpus: $gpus"
@@ -106,6 +106,37 @@ timeout_injection() {
   grep -E "^\[rank|Failure" "$log" | head -20
   results+=("NCCL timeout injection (2 GPUs): rc=$rc after ${waited}s $(grep -E 'PASSED|FAILED  \]' "$log" | sed 's/\x1b\[[0-9;]*m//g' | tr '\n' ' ')")
 }
+# compute-sanitizer on one GPU: memcheck and synccheck over the CUDA suite; all four tools
+# over the GPU unit tests (the symmetric passes, whose tiles go through shared memory).
+# --report-api-errors no: NCCL's initialization asks cudaFuncGetAttributes about kernels
+# built for other GPUs, and memcheck would count each cudaErrorNoKernelImageForDevice.
+# Left out: racecheck over the suite (it outlasts 300 s), and initcheck over the suite, which
+# cannot see what Hopper's bf16 cuBLASLt kernels write (the TMA stores) and so reports later
+# reads of fresh GEMM outputs; a bf16 torch.matmul into torch.empty memory, then .float(),
+# draws the same reports (docs/GPU_RUNS.md, eleventh session).
+sanitize() {
+  local cs tool log rc
+  cs=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+  for tool in memcheck synccheck; do
+    log="$out/sanitize_suite_$tool.log"
+    timeout 300 "$cs" --tool $tool --report-api-errors no --error-exitcode 9 $build/tests/shardmuon_tests \
+      --backend=cuda --gtest_brief=1 --gtest_filter='-*MultiBlock*' >"$log" 2>&1
+    rc=$?
+    results+=("compute-sanitizer $tool, CUDA suite (1 GPU): rc=$rc $(grep -E 'ERROR SUMMARY|PASSED|FAILED  \]' "$log" | sed 's/\x1b\[[0-9;]*m//g' | tr '\n' ' ')")
+  done
+  for tool in memcheck racecheck synccheck initcheck; do
+    log="$out/sanitize_unit_$tool.log"
+    timeout 240 "$cs" --tool $tool --error-exitcode 9 $build/tests/shardmuon_gpu_unit_tests --gtest_brief=1 \
+      >"$log" 2>&1
+    rc=$?
+    results+=("compute-sanitizer $tool, GPU unit tests: rc=$rc $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED  \]' "$log" | sed 's/\x1b\[[0-9;]*m//g' | tr '\n' ' ')")
+  done
+}
+if [[ "$what" == "sanitize" ]]; then
+  sanitize
+  printf '%s\n' "${results[@]}"
+  exit 0
+fi
 if [[ "$what" == "speed" ]]; then
   # The CUDA tests on 1 and 2 GPUs, the fault injection, then the Newton-Schulz benchmark
   # (bench/bench_newton_schulz.py; its table goes to $out).
