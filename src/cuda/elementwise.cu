@@ -7,27 +7,10 @@
 #include "core/error.h"
 #include "cuda/cuda_check.h"
 #include "cuda/elementwise.cuh"
+#include "cuda/float_conversions.cuh"
 
 namespace shardmuon {
 namespace {
-
-__device__ __forceinline__ float to_float(float x) {
-  return x;
-}
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) {
-  return __bfloat162float(x);
-}
-
-template <typename T>
-__device__ __forceinline__ T from_accumulate(float x);
-template <>
-__device__ __forceinline__ float from_accumulate<float>(float x) {
-  return x;
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_accumulate<__nv_bfloat16>(float x) {
-  return __float2bfloat16_rn(x);
-}
 
 constexpr int kThreads = 256;
 
@@ -47,7 +30,7 @@ __global__ void divide_by_norm_kernel(const T* x, T* y, int64_t count, const flo
   const float scale = norm > 0.0f ? 1.0f / norm : 0.0f;
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < count;
        i += int64_t{gridDim.x} * blockDim.x) {
-    y[base + i] = from_accumulate<T>(to_float(x[base + i]) * scale);
+    y[base + i] = from_float<T>(to_float(x[base + i]) * scale);
   }
 }
 
@@ -69,7 +52,7 @@ __global__ void divide_by_norm_vector_kernel(const T* x, T* y, int64_t count,
     uint4 vector = in[i];
     T* values = reinterpret_cast<T*>(&vector);
 #pragma unroll
-    for (int j = 0; j < kWidth; ++j) values[j] = from_accumulate<T>(to_float(values[j]) * scale);
+    for (int j = 0; j < kWidth; ++j) values[j] = from_float<T>(to_float(values[j]) * scale);
     out[i] = vector;
   }
 }

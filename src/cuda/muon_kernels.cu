@@ -9,6 +9,7 @@
 
 #include "core/error.h"
 #include "cuda/cuda_check.h"
+#include "cuda/float_conversions.cuh"
 #include "cuda/muon_kernels.cuh"
 
 namespace shardmuon {
@@ -21,23 +22,6 @@ template <typename T, int N>
 struct alignas(sizeof(T) * N) Vector {
   T values[N];
 };
-
-__device__ __forceinline__ float widen(float x) {
-  return x;
-}
-__device__ __forceinline__ float widen(__nv_bfloat16 x) {
-  return __bfloat162float(x);
-}
-template <typename T>
-__device__ __forceinline__ T narrow(float x);
-template <>
-__device__ __forceinline__ float narrow<float>(float x) {
-  return x;
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 narrow<__nv_bfloat16>(float x) {
-  return __float2bfloat16_rn(x);
-}
 
 // Each thread handles N consecutive elements per access; count is in elements and a multiple
 // of N (the caller runs the remainder with N = 1).
@@ -58,13 +42,13 @@ __global__ void momentum_kernel(const T* __restrict__ grad, const T* __restrict_
     V u_out;
 #pragma unroll
     for (int j = 0; j < N; ++j) {
-      float g = widen(g_in.values[j]);
+      float g = to_float(g_in.values[j]);
       finite = finite && isfinite(g);
-      if constexpr (kL2) g = fmaf(l2_decay, widen(p_in.values[j]), g);
-      float m = widen(m_io.values[j]);
+      if constexpr (kL2) g = fmaf(l2_decay, to_float(p_in.values[j]), g);
+      float m = to_float(m_io.values[j]);
       m = fmaf(weight, g - m, m);  // lerp(m, g, 1 - beta)
-      m_io.values[j] = narrow<T>(m);
-      u_out.values[j] = narrow<T>(kNesterov ? fmaf(beta, m - g, g) : m);
+      m_io.values[j] = from_float<T>(m);
+      u_out.values[j] = from_float<T>(kNesterov ? fmaf(beta, m - g, g) : m);
     }
     *reinterpret_cast<V*>(momentum_out + i) = m_io;
     *reinterpret_cast<V*>(update + i) = u_out;
@@ -91,20 +75,28 @@ struct DeviceRate {
   }
 };
 
+// param <- param * decay - step_size * update on the N elements from i.
+template <typename T, int N>
+__device__ __forceinline__ void update_vector(T* __restrict__ param, const T* __restrict__ update,
+                                              int64_t i, float decay, float step_size) {
+  using V = Vector<T, N>;
+  V w = *reinterpret_cast<const V*>(param + i);
+  const V o = *reinterpret_cast<const V*>(update + i);
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    w.values[j] =
+        from_float<T>(fmaf(to_float(w.values[j]), decay, -step_size * to_float(o.values[j])));
+  }
+  *reinterpret_cast<V*>(param + i) = w;
+}
+
 template <typename T, int N>
 __global__ void update_kernel(T* __restrict__ param, const T* __restrict__ update, int64_t count,
                               float decay, float step_size, DeviceRate rate) {
   rate.apply(decay, step_size);
-  using V = Vector<T, N>;
   for (int64_t i = (blockIdx.x * int64_t{blockDim.x} + threadIdx.x) * N; i < count;
        i += int64_t{gridDim.x} * blockDim.x * N) {
-    V w = *reinterpret_cast<const V*>(param + i);
-    const V o = *reinterpret_cast<const V*>(update + i);
-#pragma unroll
-    for (int j = 0; j < N; ++j) {
-      w.values[j] = narrow<T>(fmaf(widen(w.values[j]), decay, -step_size * widen(o.values[j])));
-    }
-    *reinterpret_cast<V*>(param + i) = w;
+    update_vector<T, N>(param, update, i, decay, step_size);
   }
 }
 
@@ -125,13 +117,7 @@ __global__ void commit_kernel(T* __restrict__ param, const T* __restrict__ updat
   using V = Vector<T, N>;
   for (int64_t i = (blockIdx.x * int64_t{blockDim.x} + threadIdx.x) * N; i < count;
        i += int64_t{gridDim.x} * blockDim.x * N) {
-    V w = *reinterpret_cast<const V*>(param + i);
-    const V o = *reinterpret_cast<const V*>(update + i);
-#pragma unroll
-    for (int j = 0; j < N; ++j) {
-      w.values[j] = narrow<T>(fmaf(widen(w.values[j]), decay, -step_size * widen(o.values[j])));
-    }
-    *reinterpret_cast<V*>(param + i) = w;
+    update_vector<T, N>(param, update, i, decay, step_size);
     *reinterpret_cast<V*>(momentum + i) = *reinterpret_cast<const V*>(new_momentum + i);
   }
 }
@@ -141,7 +127,7 @@ __global__ void flag_nonfinite_kernel(const T* x, int64_t count, float* flag) {
   bool bad = false;
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < count;
        i += int64_t{gridDim.x} * blockDim.x) {
-    bad |= !isfinite(widen(x[i]));
+    bad |= !isfinite(to_float(x[i]));
   }
   if (bad) *flag = 1.0f;  // every writer writes the same value
 }
