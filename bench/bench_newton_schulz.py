@@ -24,8 +24,9 @@ Errors: relative Frobenius distance to a float64 Newton-Schulz of the gathered m
 Power: under sustained bf16 GEMMs an H200 reaches its 700 W cap and lowers its SM clock (from
 1980 MHz to about 1500 in the eleventh session's runs), so a row can run at a lower clock than
 the GEMM rate measured at the start. Each shardmuon row therefore also gives the SM clock
-during its timed calls (median, from NVML, rank 0's) and the GEMM rate measured again right
-after them, in the same power state, with its time over the floor at that rate.
+(read from NVML right after each timed call; the median, rank 0's) and the GEMM rate measured
+again right after those calls, in the same power state, with its time over the floor at that
+rate.
 """
 
 from __future__ import annotations
@@ -133,7 +134,7 @@ def sm_clock_mhz():
 class Timer:
     def __init__(self, warmups, repeats, world):
         self.warmups, self.repeats, self.world = warmups, repeats, world
-        self.clock_mhz = None  # the median SM clock after the last measurement's timed calls
+        self.clock_mhz = None  # the median SM clock read after each of the last measurement's timed calls
 
     def median_ms(self, prepare, run, across_ranks=True):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -194,8 +195,8 @@ def measure_rates(timer, world, gemm_rates):
 
 def power_columns(timer, gemm, compute, comm, ms, across_ranks):
     """The last three columns of a shardmuon row, measured right after its timed calls: the
-    SM clock during them, the GEMM rate now, and the time over the floor at that rate (the
-    floor's compute part rescaled from the start's rate)."""
+    SM clock (the median of those read after each call), the GEMM rate now, and the time over
+    the floor at that rate (the floor's compute part rescaled from the start's rate)."""
     clock = timer.clock_mhz
     start_rate = gemm.start_rate
     rate_now = gemm.measure(timer, across_ranks)
