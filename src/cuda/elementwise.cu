@@ -235,6 +235,22 @@ __device__ void write_square_parts(const float (*tile)[kTile + 1], float (*scrat
   }
 }
 
+// The mirror of an off-diagonal lower tile (I, J), held in shared memory as tile[column][row]:
+// tile (J, I). With row0 = 64 I and col0 = 64 J, its column row0 + y, rows col0 + 2x and
+// col0 + 2x + 1, holds the lower entries (row0 + y, col0 + 2x) and (row0 + y, col0 + 2x + 1).
+// Each thread stores pairs, as it loaded them.
+template <typename T>
+__device__ void store_mirror_tile(const float (*tile)[kTile + 1], int64_t tile_row,
+                                  int64_t tile_col, int64_t n, T* matrix) {
+  const int row_in_tile = 2 * threadIdx.x;
+  const int64_t upper_row = tile_col * kTile + row_in_tile;
+  for (int y = threadIdx.y; y < kTile; y += kThreadsY) {
+    const int64_t upper_col = tile_row * kTile + y;
+    if (upper_row >= n || upper_col >= n) continue;
+    store_pair(matrix, upper_col * n + upper_row, tile[row_in_tile][y], tile[row_in_tile + 1][y]);
+  }
+}
+
 template <typename Source, typename Destination>
 __global__ void __launch_bounds__(kThreadsX* kThreadsY)
     unpack_symmetric_kernel(const Source* packed_batch,
@@ -292,16 +308,7 @@ __global__ void __launch_bounds__(kThreadsX* kThreadsY)
     const float second = r + 1 >= c ? tile[y][row_in_tile + 1] : tile[row_in_tile + 1][y];
     store_pair(dst, c * n + r, first, second);
   }
-  // Its mirror (J, I): column row0 + y, rows col0 + 2x and col0 + 2x + 1, which hold the
-  // lower entries (row0 + y, col0 + 2x) and (row0 + y, col0 + 2x + 1).
-  if (tile_row != tile_col) {
-    const int64_t upper_row = col0 + row_in_tile;
-    for (int y = threadIdx.y; y < kTile; y += kThreadsY) {
-      const int64_t upper_col = row0 + y;
-      if (upper_row >= n || upper_col >= n) continue;
-      store_pair(dst, upper_col * n + upper_row, tile[row_in_tile][y], tile[row_in_tile + 1][y]);
-    }
-  }
+  if (tile_row != tile_col) store_mirror_tile(tile, tile_row, tile_col, n, dst);
   // The squares last, while the stores drain.
   if (parts_batch != nullptr) {
     __shared__ float scratch[8][kTile];
@@ -371,14 +378,7 @@ __global__ void __launch_bounds__(kThreadsX* kThreadsY)
       if (r + 1 < c) matrix[c * n + r + 1] = Pair<T>::round(tile[row_in_tile + 1][y]);
     }
   } else {
-    // Tile (J, I): column row0 + y, rows col0 + 2x and col0 + 2x + 1, which hold the lower
-    // entries (row0 + y, col0 + 2x) and (row0 + y, col0 + 2x + 1).
-    const int64_t upper_row = col0 + row_in_tile;
-    for (int y = threadIdx.y; y < kTile; y += kThreadsY) {
-      const int64_t upper_col = row0 + y;
-      if (upper_row >= n || upper_col >= n) continue;
-      store_pair(matrix, upper_col * n + upper_row, tile[row_in_tile][y], tile[row_in_tile + 1][y]);
-    }
+    store_mirror_tile(tile, tile_row, tile_col, n, matrix);
   }
   // The squares last, while the stores drain.
   if (parts_batch != nullptr) {
