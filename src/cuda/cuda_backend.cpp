@@ -22,6 +22,15 @@ cudaStream_t as_cuda(Stream stream) {
   return static_cast<cudaStream_t>(stream);
 }
 
+// Zeros device memory and waits for it, so that no stream's later work can come first.
+// cudaMemset returns before it is done, on the legacy default stream, which a caller's
+// non-blocking streams do not wait for: a checkpoint's momentum copied into a new buffer on
+// such a stream was then zeroed (seen under compute-sanitizer's racecheck, which slows kernels).
+cudaError_t zero_and_wait(void* pointer, size_t bytes) {
+  const cudaError_t zeroed = cudaMemsetAsync(pointer, 0, bytes, cudaStreamLegacy);
+  return zeroed != cudaSuccess ? zeroed : cudaStreamSynchronize(cudaStreamLegacy);
+}
+
 // Workspace grows in steps of 2 MiB, so slightly larger shapes do not reallocate.
 constexpr size_t kWorkspaceGranularity = 2u << 20;
 
@@ -57,7 +66,7 @@ class CudaBackend final : public Backend {
                           device_sms_, "), not '", text, "'");
       communication_sms_ = static_cast<int>(value);
     }
-    SHARDMUON_CUDA(cudaMemset(status_.get(), 0, kStatusBytes));
+    SHARDMUON_CUDA(zero_and_wait(status_.get(), kStatusBytes));
   }
 
   ~CudaBackend() override {
@@ -160,10 +169,10 @@ class CudaBackend final : public Backend {
     DeviceGuard guard(device_);
     void* pointer = nullptr;
     SHARDMUON_CUDA(cudaMalloc(&pointer, bytes > 0 ? bytes : 1));
-    const cudaError_t zeroed = cudaMemset(pointer, 0, bytes);
+    const cudaError_t zeroed = zero_and_wait(pointer, bytes);
     if (zeroed != cudaSuccess) {
       cudaFree(pointer);
-      check_cuda(zeroed, "cudaMemset");
+      check_cuda(zeroed, "zeroing a buffer");
     }
     return pointer;
   }
