@@ -149,16 +149,22 @@ Harness& Harness::get() {
 
 Buffer Harness::upload(const std::vector<unsigned char>& bytes) const {
   Buffer buffer(bytes.size(), on_gpu());
-  if (bytes.empty()) return buffer;
+  upload_into(buffer.data(), bytes);
+  return buffer;
+}
+
+void Harness::upload_into(void* data, const std::vector<unsigned char>& bytes) const {
+  if (bytes.empty()) return;
   if (on_gpu()) {
 #ifdef SHARDMUON_TEST_WITH_CUDA
-    cuda_ok(cudaMemcpy(buffer.data(), bytes.data(), bytes.size(), cudaMemcpyHostToDevice),
+    cuda_ok(cudaMemcpyAsync(data, bytes.data(), bytes.size(), cudaMemcpyHostToDevice,
+                            static_cast<cudaStream_t>(stream_)),
             "upload");
+    synchronize();
 #endif
   } else {
-    std::memcpy(buffer.data(), bytes.data(), bytes.size());
+    std::memcpy(data, bytes.data(), bytes.size());
   }
-  return buffer;
 }
 
 std::vector<unsigned char> Harness::download(const Buffer& buffer) const {

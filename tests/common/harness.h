@@ -62,8 +62,11 @@ class Harness {
   // The NCCL communicator under group(size) (CUDA runs only).
   void* nccl_comm(int size) const { return nccl_groups_.at(size - 1); }
 
-  // Copies to and from the backend's memory; waits for the stream first.
+  // Copies to and from the backend's memory, ordered after the stream's work and done on
+  // return. (A plain cudaMemcpy from pageable memory can return before its transfer lands,
+  // on the legacy stream, which the harness's non-blocking stream does not wait for.)
   Buffer upload(const std::vector<unsigned char>& bytes) const;
+  void upload_into(void* data, const std::vector<unsigned char>& bytes) const;
   std::vector<unsigned char> download(const Buffer& buffer) const;
   std::vector<unsigned char> download(const void* data, size_t bytes) const;
   void synchronize() const;

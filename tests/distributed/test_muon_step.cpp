@@ -393,11 +393,7 @@ TEST_F(MuonStepBatches, CapturedStepReplaysLikeUncapturedSteps) {
         for (Parameter& q : params) {
           const std::vector<unsigned char> bytes =
               to_bytes(q.shard(q.grads[s], group.rank), q.dtype);
-          if (!bytes.empty()) {
-            cuda_ok(
-                cudaMemcpy(q.g_buffer.data(), bytes.data(), bytes.size(), cudaMemcpyHostToDevice),
-                "gradient upload");
-          }
+          harness.upload_into(q.g_buffer.data(), bytes);
         }
       };
       for (int s = 0; s < 3; ++s) {
