@@ -106,23 +106,36 @@ timeout_injection() {
   grep -E "^\[rank|Failure" "$log" | head -20
   results+=("NCCL timeout injection (2 GPUs): rc=$rc after ${waited}s $(grep -E 'PASSED|FAILED  \]' "$log" | sed 's/\x1b\[[0-9;]*m//g' | tr '\n' ' ')")
 }
-# compute-sanitizer on one GPU: memcheck and synccheck over the CUDA suite; all four tools
-# over the GPU unit tests (the symmetric passes, whose tiles go through shared memory).
+# compute-sanitizer on one GPU: memcheck, synccheck and racecheck over the CUDA suite; all four
+# tools over the GPU unit tests (the symmetric passes, whose tiles go through shared memory).
+# The suite runs in concurrent gtest shards, one process each: under racecheck one process
+# outlasts 300 s, and 14 shards took 342 s on a 16-core H200 machine. The slowed kernels also
+# shake out ordering between streams: that run found a buffer zeroed after it was written
+# (docs/GPU_RUNS.md, twelfth session).
 # --report-api-errors no: NCCL's initialization asks cudaFuncGetAttributes about kernels
 # built for other GPUs, and memcheck would count each cudaErrorNoKernelImageForDevice.
-# Left out: racecheck over the suite (it outlasts 300 s), and initcheck over the suite, which
-# cannot see what Hopper's bf16 cuBLASLt kernels write (the TMA stores) and so reports later
-# reads of fresh GEMM outputs; a bf16 torch.matmul into torch.empty memory, then .float(),
-# draws the same reports (docs/GPU_RUNS.md, eleventh session).
+# Left out: initcheck over the suite, which cannot see what Hopper's bf16 cuBLASLt kernels
+# write (the TMA stores) and so reports later reads of fresh GEMM outputs; a bf16
+# torch.matmul into torch.empty memory, then .float(), draws the same reports
+# (docs/GPU_RUNS.md, eleventh session).
 sanitize() {
-  local cs tool log rc
+  local cs tool log rc i failed shards=$(( $(nproc) > 3 ? $(nproc) - 2 : 1 ))
   cs=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
-  for tool in memcheck synccheck; do
-    log="$out/sanitize_suite_$tool.log"
-    timeout 300 "$cs" --tool $tool --report-api-errors no --error-exitcode 9 $build/tests/shardmuon_tests \
-      --backend=cuda --gtest_brief=1 --gtest_filter='-*MultiBlock*' >"$log" 2>&1
-    rc=$?
-    results+=("compute-sanitizer $tool, CUDA suite (1 GPU): rc=$rc $(grep -E 'ERROR SUMMARY|PASSED|FAILED  \]' "$log" | sed 's/\x1b\[[0-9;]*m//g' | tr '\n' ' ')")
+  for tool in memcheck synccheck racecheck; do
+    failed=0
+    for ((i = 0; i < shards; i++)); do
+      GTEST_TOTAL_SHARDS=$shards GTEST_SHARD_INDEX=$i timeout 500 "$cs" --tool $tool --report-api-errors no \
+        --error-exitcode 9 $build/tests/shardmuon_tests --backend=cuda --gtest_brief=1 \
+        --gtest_filter='-*MultiBlock*' >"$out/sanitize_suite_${tool}_$i.log" 2>&1 &
+    done
+    for ((i = 0; i < shards; i++)); do wait -n || failed=$((failed + 1)); done
+    # What failed, here, since the logs may not come back.
+    grep -hE -A6 "Failure$|^\[  FAILED  \] [A-Z]|^========= (Error|Warning|Invalid|Program hit)" \
+      "$out"/sanitize_suite_${tool}_*.log | cut -c1-300 | head -60
+    results+=("compute-sanitizer $tool, CUDA suite (1 GPU, $shards shards): $failed shard(s) failed; $(
+      cat "$out"/sanitize_suite_${tool}_*.log | sed 's/\x1b\[[0-9;]*m//g' |
+        awk '/PASSED  \]/ {n += $4} END {print n + 0}') tests passed; errors and hazards: $(
+      cat "$out"/sanitize_suite_${tool}_*.log | awk '/(ERROR|RACECHECK) SUMMARY:/ {n += $4} END {print n + 0}')")
   done
   for tool in memcheck racecheck synccheck initcheck; do
     log="$out/sanitize_unit_$tool.log"
