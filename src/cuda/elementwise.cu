@@ -154,13 +154,11 @@ template <>
 struct Pair<float> {
   using type = float2;
   __device__ static type make(float x, float y) { return make_float2(x, y); }
-  __device__ static float round(float x) { return x; }
 };
 template <>
 struct Pair<__nv_bfloat16> {
   using type = __nv_bfloat162;
   __device__ static type make(float x, float y) { return __floats2bfloat162_rn(x, y); }
-  __device__ static __nv_bfloat16 round(float x) { return __float2bfloat16_rn(x); }
 };
 
 template <typename Destination>
@@ -289,12 +287,12 @@ __global__ void __launch_bounds__(kThreadsX* kThreadsY)
     const int64_t pair_start = row.index(columns[y]);
     if (r >= c) {
       const float2 pair = load_pair(packed, pair_start);
-      tile[y][row_in_tile] = to_float(Pair<Destination>::round(pair.x + (r == c ? shift : 0.0f)));
+      tile[y][row_in_tile] = to_float(from_float<Destination>(pair.x + (r == c ? shift : 0.0f)));
       tile[y][row_in_tile + 1] =
-          to_float(Pair<Destination>::round(pair.y + (r + 1 == c ? shift : 0.0f)));
+          to_float(from_float<Destination>(pair.y + (r + 1 == c ? shift : 0.0f)));
     } else {  // r + 1 == c: only the second row is on or below the diagonal
       tile[y][row_in_tile + 1] =
-          to_float(Pair<Destination>::round(to_float(packed[pair_start + 1]) + shift));
+          to_float(from_float<Destination>(to_float(packed[pair_start + 1]) + shift));
     }
   }
   __syncthreads();
@@ -363,7 +361,7 @@ __global__ void __launch_bounds__(kThreadsX* kThreadsY)
       const float square =
           ((scratch[0][thread] + scratch[1][thread]) + scratch[2][thread]) + scratch[3][thread];
       const float addend = to_float(addend_batch[blockIdx.y * n * n + c * n + c]);
-      const T value = Pair<T>::round(shift + scale * addend + square_scale * square);
+      const T value = from_float<T>(shift + scale * addend + square_scale * square);
       matrix[c * n + c] = value;
       tile[thread][thread] = to_float(value);
     }
@@ -374,8 +372,8 @@ __global__ void __launch_bounds__(kThreadsX* kThreadsY)
     for (int y = threadIdx.y; y < kTile; y += kThreadsY) {
       const int64_t c = col0 + y;
       if (r >= n || c >= n) continue;
-      if (r < c) matrix[c * n + r] = Pair<T>::round(tile[row_in_tile][y]);
-      if (r + 1 < c) matrix[c * n + r + 1] = Pair<T>::round(tile[row_in_tile + 1][y]);
+      if (r < c) matrix[c * n + r] = from_float<T>(tile[row_in_tile][y]);
+      if (r + 1 < c) matrix[c * n + r + 1] = from_float<T>(tile[row_in_tile + 1][y]);
     }
   } else {
     store_mirror_tile(tile, tile_row, tile_col, n, matrix);
