@@ -13,7 +13,7 @@ export PATH="/opt/torch/.venv/bin:$PATH:/usr/local/cuda/bin" OPENBLAS_NUM_THREAD
 export SHARDMUON_TEST_REPORT_ERRORS=1  # the tests print each case's error and tolerance
 mpi=(mpirun --allow-run-as-root --oversubscribe -x NCCL_NVLS_ENABLE -x TORCH_SYMM_MEM_DISABLE_MULTICAST
      -x NVSHMEM_DISABLE_NVLS -x OPENBLAS_NUM_THREADS -x SHARDMUON_TEST_REPORT_ERRORS)
-what="${1:-all}"  # all | tests | torch | final | timeout | speed | step | sanitize
+what="${1:-all}"  # all | tests | callbacks | torch | final | timeout | speed | step | sanitize
 gpus=$(nvidia-smi -L | wc -l)
 nvidia-smi -L
 echo "gpus: $gpus"
@@ -55,6 +55,24 @@ cuda_tests() {
       results+=("  largest error/tolerance: $(grep -o 'ratio=[0-9.]*' "$log" | sort -t= -k2 -g | tail -1) over $(grep -c 'ratio=' "$log") checked cases")
     fi
   done
+}
+# The CUDA tests on 2 and 3 ranks over --comm=callbacks (tests/common/mpi_callbacks.h): the
+# ranks share the GPUs there are (NCCL refuses that), so every distributed path runs against
+# the single-rank result even on one GPU, with uneven shards over three ranks. The data
+# moves through host memory, which NCCL's Gram sums in bf16 never do: those stay for NCCL.
+callback_tests() {
+  callback_run 2 '-*MultiBlock*' callbacks_np2
+  callback_run 3 '-*MultiBlock*' callbacks_np3
+  callback_run 2 '*MultiBlock*' callbacks_np2_multiblock  # its groups are of 1 and 2
+}
+callback_run() {  # ranks, gtest filter, log name
+  local ranks=$1 filter=$2 log="$out/$3.log" rc
+  OPENBLAS_NUM_THREADS=$(( $(nproc) / ranks )) timeout 300 "${mpi[@]}" -np "$ranks" \
+    $build/tests/shardmuon_tests --backend=cuda --comm=callbacks --gtest_brief=1 \
+    --gtest_filter="$filter" >"$log" 2>&1
+  rc=$?
+  grep -E "^\[rank|Failure|FAILED" "$log" | head -20
+  results+=("callbacks, $ranks ranks on $gpus GPU(s), $filter: rc=$rc $(grep -E 'PASSED|FAILED  \]|SKIPPED \]' "$log" | sed 's/\x1b\[[0-9;]*m//g' | tr '\n' ' ') largest $(grep -o 'ratio=[0-9.]*' "$log" | sort -t= -k2 -g | tail -1) over $(grep -c 'ratio=' "$log")")
 }
 # The CUDA backend's symmetric passes against the CPU backend's (one GPU): the unpacking that
 # multi-rank Grams use is checked here even where only one GPU is lent.
@@ -145,6 +163,11 @@ sanitize() {
     results+=("compute-sanitizer $tool, GPU unit tests: rc=$rc $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED  \]' "$log" | sed 's/\x1b\[[0-9;]*m//g' | tr '\n' ' ')")
   done
 }
+if [[ "$what" == "callbacks" ]]; then
+  callback_tests
+  printf '%s\n' "${results[@]}"
+  exit 0
+fi
 if [[ "$what" == "sanitize" ]]; then
   sanitize
   printf '%s\n' "${results[@]}"
@@ -157,6 +180,7 @@ if [[ "$what" == "speed" ]]; then
   cuda_tests tests '-Reliability.ARankThatNeverCalls*'
   narrow_blocks
   timeout_injection
+  callback_tests
   export SHARDMUON_LIBRARY="$root/$build/libshardmuon.so"
   timeout "${BENCH_TIMEOUT:-300}" torchrun --nproc_per_node="$gpus" bench/bench_newton_schulz.py --out "$out" \
     ${BENCH_ARGS:-} >"$out/bench.log" 2>&1
@@ -201,6 +225,7 @@ if [[ "$what" == "final" ]]; then
   cuda_tests tests '-Reliability.ARankThatNeverCalls*'
   narrow_blocks
   timeout_injection
+  callback_tests
   filter='*Layouts*67x131*dim1*P1*:*Schedules*quintic5*P1:NonFinite.*:MuonStepB*:Checkpoint.LoadsOn*'
   for tool in memcheck racecheck synccheck; do
     log="$out/$tool.log"
@@ -243,6 +268,7 @@ for ranks in 1 $([[ $gpus -ge 2 ]] && echo 2); do
   results+=("  largest error/tolerance: $(grep -o 'ratio=[0-9.]*' "$log" | sort -t= -k2 -g | tail -1) over $(grep -c 'ratio=' "$log") checked cases")
 done
 gpu_unit
+callback_tests
 # compute-sanitizer memcheck over a cross-section of the cases, on one GPU.
 if command -v compute-sanitizer >/dev/null 2>&1; then
   log="$out/memcheck.log"

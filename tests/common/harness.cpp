@@ -64,12 +64,14 @@ Buffer& Buffer::operator=(Buffer&& other) noexcept {
   return *this;
 }
 
-void Harness::initialize(shardmuon_backend backend) {
+void Harness::initialize(shardmuon_backend backend, CommKind comm_kind) {
   instance = std::make_unique<Harness>();
   Harness& h = *instance;
   h.backend_ = backend;
+  h.comm_kind_ = comm_kind;
   MPI_Comm_rank(MPI_COMM_WORLD, &h.world_rank_);
   MPI_Comm_size(MPI_COMM_WORLD, &h.world_size_);
+  const bool over_nccl = backend == SHARDMUON_BACKEND_CUDA && comm_kind == CommKind::kNative;
 
   int max_size = h.world_size_;
   int device = 0;
@@ -78,18 +80,22 @@ void Harness::initialize(shardmuon_backend backend) {
     int devices = 0;
     cuda_ok(cudaGetDeviceCount(&devices), "cudaGetDeviceCount");
     require(devices >= 1, "no CUDA device");
-    require(h.world_size_ <= devices, "more ranks than GPUs: run one rank per GPU");
-    device = h.world_rank_;
+    // NCCL refuses two ranks on one GPU; the staged callbacks do not mind.
+    require(!over_nccl || h.world_size_ <= devices,
+            "more ranks than GPUs: run one rank per GPU, or pass --comm=callbacks");
+    device = h.world_rank_ % devices;
     cuda_ok(cudaSetDevice(device), "cudaSetDevice");
     cudaStream_t stream = nullptr;
     cuda_ok(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
     h.stream_ = stream;
-    ncclUniqueId id;
-    if (h.world_rank_ == 0) nccl_ok(ncclGetUniqueId(&id), "ncclGetUniqueId");
-    MPI_Bcast(&id, sizeof id, MPI_BYTE, 0, MPI_COMM_WORLD);
-    ncclComm_t world = nullptr;
-    nccl_ok(ncclCommInitRank(&world, h.world_size_, id, h.world_rank_), "ncclCommInitRank");
-    h.nccl_world_ = world;
+    if (over_nccl) {
+      ncclUniqueId id;
+      if (h.world_rank_ == 0) nccl_ok(ncclGetUniqueId(&id), "ncclGetUniqueId");
+      MPI_Bcast(&id, sizeof id, MPI_BYTE, 0, MPI_COMM_WORLD);
+      ncclComm_t world = nullptr;
+      nccl_ok(ncclCommInitRank(&world, h.world_size_, id, h.world_rank_), "ncclCommInitRank");
+      h.nccl_world_ = world;
+    }
 #else
     require(false, "the tests were built without CUDA");
 #endif
@@ -102,7 +108,15 @@ void Harness::initialize(shardmuon_backend backend) {
     group.size = size;
     group.member = h.world_rank_ < size;
     MPI_Comm_split(MPI_COMM_WORLD, group.member ? 0 : MPI_UNDEFINED, h.world_rank_, &group.mpi);
-    if (backend == SHARDMUON_BACKEND_CPU) {
+    if (comm_kind == CommKind::kCallbacks) {
+      if (group.member) {
+        h.callbacks_.push_back(std::make_unique<MpiCallbacks>(group.mpi, h.on_gpu()));
+        const shardmuon_comm_callbacks table = h.callbacks_.back()->table();
+        status = shardmuon_comm_create_callbacks(&table, backend, &group.comm);
+        require(status == SHARDMUON_SUCCESS,
+                std::string("callback comm: ") + shardmuon_last_error());
+      }
+    } else if (backend == SHARDMUON_BACKEND_CPU) {
       if (group.member) {
         status = shardmuon_comm_create_mpi(&group.mpi, &group.comm);
         require(status == SHARDMUON_SUCCESS, std::string("mpi comm: ") + shardmuon_last_error());
@@ -132,6 +146,7 @@ void Harness::shutdown() {
     shardmuon_comm_destroy(group.comm);
     if (group.mpi != MPI_COMM_NULL) MPI_Comm_free(&group.mpi);
   }
+  h.callbacks_.clear();
   shardmuon_context_destroy(h.context_);
 #ifdef SHARDMUON_TEST_WITH_CUDA
   for (void* sub : h.nccl_groups_) {

@@ -1,5 +1,7 @@
 // The distributed test harness: one process per rank under mpirun, the same tests on the
-// CPU backend (ranks over MPI) or the CUDA backend (one GPU per rank, NCCL). It makes one
+// CPU backend (ranks over MPI) or the CUDA backend (one GPU per rank, NCCL); or, with
+// --comm=callbacks, on either backend over shardmuon_comm_callbacks backed by MPI
+// (MpiCallbacks), where CUDA ranks may share a GPU. It makes one
 // group for every size 1..max_group_size out of the first ranks of the world, so one
 // launch checks every P. Every test's outcome is agreed across the world (see
 // DistributedTest), so no rank's failure goes unseen and no rank reports alone.
@@ -13,9 +15,16 @@
 #include <string>
 #include <vector>
 
+#include "mpi_callbacks.h"
 #include "shardmuon/shardmuon.h"
 
 namespace shardmuon_test {
+
+// How the groups' shardmuon communicators move data.
+enum class CommKind {
+  kNative,     // MPI for the CPU backend, NCCL for the CUDA backend
+  kCallbacks,  // shardmuon_comm_callbacks over MPI (MpiCallbacks)
+};
 
 struct Group {
   int size = 0;
@@ -47,19 +56,20 @@ class Buffer {
 
 class Harness {
  public:
-  static void initialize(shardmuon_backend backend);
+  static void initialize(shardmuon_backend backend, CommKind comm_kind);
   static void shutdown();
   static Harness& get();
 
   shardmuon_backend backend() const { return backend_; }
   bool on_gpu() const { return backend_ == SHARDMUON_BACKEND_CUDA; }
+  CommKind comm_kind() const { return comm_kind_; }
   int world_rank() const { return world_rank_; }
   int world_size() const { return world_size_; }
   int max_group_size() const { return static_cast<int>(groups_.size()); }
   const Group& group(int size) const { return groups_.at(size - 1); }
   shardmuon_context_t context() const { return context_; }
   void* stream() const { return stream_; }
-  // The NCCL communicator under group(size) (CUDA runs only).
+  // The NCCL communicator under group(size) (CUDA runs over NCCL only).
   void* nccl_comm(int size) const { return nccl_groups_.at(size - 1); }
 
   // Copies to and from the backend's memory, ordered after the stream's work and done on
@@ -73,12 +83,14 @@ class Harness {
 
  private:
   shardmuon_backend backend_ = SHARDMUON_BACKEND_CPU;
+  CommKind comm_kind_ = CommKind::kNative;
   int world_rank_ = 0, world_size_ = 1;
   shardmuon_context_t context_ = nullptr;
   void* stream_ = nullptr;
   void* nccl_world_ = nullptr;
   std::vector<void*> nccl_groups_;
   std::vector<Group> groups_;
+  std::vector<std::unique_ptr<MpiCallbacks>> callbacks_;  // outlive the groups' handles
 };
 
 // Base of every test: after the body, the world agrees on the outcome, so a failure on any

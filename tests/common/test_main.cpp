@@ -1,10 +1,10 @@
-// main() of the distributed test binaries: MPI, the backend from --backend=cpu|cuda, and
-// output from rank 0 only, except that every other rank prints its own failures.
+// main() of the distributed test binaries: MPI, the backend from --backend=cpu|cuda, the
+// communicators from --comm=native|callbacks (native: MPI on the CPU backend, NCCL on the CUDA
+// backend), and output from rank 0 only, except that every other rank prints its own failures.
 #include <gtest/gtest.h>
 #include <mpi.h>
 
 #include <cstdio>
-#include <cstring>
 #include <string>
 
 #include "harness.h"
@@ -30,13 +30,29 @@ class RankFailurePrinter : public ::testing::EmptyTestEventListener {
 int main(int argc, char** argv) {
   MPI_Init(&argc, &argv);
   ::testing::InitGoogleTest(&argc, argv);
-  shardmuon_backend backend = SHARDMUON_BACKEND_CPU;
-  for (int i = 1; i < argc; ++i) {
-    if (std::strcmp(argv[i], "--backend=cuda") == 0) backend = SHARDMUON_BACKEND_CUDA;
-  }
-
   int rank = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  shardmuon_backend backend = SHARDMUON_BACKEND_CPU;
+  shardmuon_test::CommKind comm_kind = shardmuon_test::CommKind::kNative;
+  for (int i = 1; i < argc; ++i) {
+    const std::string argument = argv[i];
+    if (argument == "--backend=cuda") {
+      backend = SHARDMUON_BACKEND_CUDA;
+    } else if (argument == "--backend=cpu" || argument == "--comm=native") {
+    } else if (argument == "--comm=callbacks") {
+      comm_kind = shardmuon_test::CommKind::kCallbacks;
+    } else {
+      // gtest has taken its own flags out of argv: anything left is a typo.
+      if (rank == 0) {
+        std::fprintf(stderr,
+                     "unknown argument %s (expected --backend=cpu|cuda, "
+                     "--comm=native|callbacks, gtest flags)\n",
+                     argument.c_str());
+      }
+      MPI_Finalize();
+      return 2;
+    }
+  }
   if (rank != 0) {
     ::testing::TestEventListeners& listeners = ::testing::UnitTest::GetInstance()->listeners();
     delete listeners.Release(listeners.default_result_printer());
@@ -45,10 +61,11 @@ int main(int argc, char** argv) {
 
   int result = 1;
   try {
-    shardmuon_test::Harness::initialize(backend);
+    shardmuon_test::Harness::initialize(backend, comm_kind);
     if (rank == 0) {
-      std::printf("shardmuon tests: backend %s, %d ranks, groups of 1..%d\n",
+      std::printf("shardmuon tests: backend %s, comm %s, %d ranks, groups of 1..%d\n",
                   backend == SHARDMUON_BACKEND_CUDA ? "cuda" : "cpu",
+                  comm_kind == shardmuon_test::CommKind::kCallbacks ? "callbacks" : "native",
                   shardmuon_test::Harness::get().world_size(),
                   shardmuon_test::Harness::get().max_group_size());
     }

@@ -31,6 +31,11 @@ TEST_F(Reliability, ARankThatNeverCallsEndsInATimeoutOnTheOthers) {
   // Over NCCL this passed on the lent H200s (2026-11-30) once the communicator warmed its
   // private connections up at creation and destroy waited for the late rank's exchange;
   // scripts/gpu_check.sh runs it on its own under a watchdog.
+  if (Harness::get().on_gpu() && Harness::get().comm_kind() == CommKind::kCallbacks) {
+    // The CPU backend's run still checks the timeout over an MPI handle of its own.
+    GTEST_SKIP() << "a callback communicator times out in the caller's collectives, and "
+                    "MpiCallbacks's block; NCCL runs check this";
+  }
   for (int p = 2; p <= Harness::get().max_group_size(); ++p) {
     const Group& group = Harness::get().group(p);
     if (!group.member) continue;
