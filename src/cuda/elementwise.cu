@@ -8,6 +8,7 @@
 #include "cuda/cuda_check.h"
 #include "cuda/elementwise.cuh"
 #include "cuda/float_conversions.cuh"
+#include "cuda/kernel_launch.cuh"
 
 namespace shardmuon {
 namespace {
@@ -413,10 +414,6 @@ dim3 lower_tile_grid(int64_t n, int64_t batch) {
   return dim3(static_cast<unsigned int>(lower_tiles), static_cast<unsigned int>(batch));
 }
 
-void check_launch(const char* kernel) {
-  check_cuda(cudaGetLastError(), kernel);
-}
-
 __global__ void fill_pointer_arrays_kernel(const PointerArraySource source, void** a, void** b,
                                            void** c, void** d) {
   void** arrays[4] = {a, b, c, d};
@@ -434,11 +431,9 @@ __global__ void fill_pointer_arrays_kernel(const PointerArraySource source, void
 template <typename T>
 void launch_divide_by_norm(const T* x, T* y, int64_t count, dim3 grid, bool vectors,
                            const float* sums, float eps, cudaStream_t stream) {
-  if (vectors) {
-    divide_by_norm_vector_kernel<<<grid, kThreads, 0, stream>>>(x, y, count, sums, eps);
-  } else {
-    divide_by_norm_kernel<<<grid, kThreads, 0, stream>>>(x, y, count, sums, eps);
-  }
+  launch_kernel("divide_by_norm_kernel",
+                vectors ? divide_by_norm_vector_kernel<T> : divide_by_norm_kernel<T>, grid,
+                dim3(kThreads), stream, x, y, count, sums, eps);
 }
 
 // Rows of `units` Units each, one thread block per row at a time.
@@ -456,10 +451,9 @@ template <typename Unit>
 void launch_copy_rows(void* dst, size_t dst_pitch, const void* src, size_t src_pitch,
                       size_t row_bytes, size_t rows, cudaStream_t stream) {
   const unsigned int blocks = static_cast<unsigned int>(std::min<size_t>(rows, 16384));
-  copy_rows_kernel<Unit><<<blocks, kThreads, 0, stream>>>(static_cast<char*>(dst), dst_pitch,
-                                                          static_cast<const char*>(src), src_pitch,
-                                                          row_bytes / sizeof(Unit), rows);
-  check_launch("copy_rows_kernel");
+  launch_kernel("copy_rows_kernel", copy_rows_kernel<Unit>, dim3(blocks), dim3(kThreads), stream,
+                static_cast<char*>(dst), dst_pitch, static_cast<const char*>(src), src_pitch,
+                row_bytes / sizeof(Unit), rows);
 }
 
 }  // namespace
@@ -491,9 +485,8 @@ void fill_pointer_arrays_cuda(const PointerArraySource& source, void** arrays[4]
                               cudaStream_t stream) {
   const int64_t total = source.products * source.batch;
   const unsigned int blocks = static_cast<unsigned int>(std::min<int64_t>((total + 255) / 256, 64));
-  fill_pointer_arrays_kernel<<<blocks, 256, 0, stream>>>(source, arrays[0], arrays[1], arrays[2],
-                                                         arrays[3]);
-  check_launch("fill_pointer_arrays_kernel");
+  launch_kernel("fill_pointer_arrays_kernel", fill_pointer_arrays_kernel, dim3(blocks), dim3(256),
+                stream, source, arrays[0], arrays[1], arrays[2], arrays[3]);
 }
 
 // One chunked two-pass reduction for every batch, one matrix included: a library reduction
@@ -516,16 +509,16 @@ void sum_of_squares_cuda(const void* x, shardmuon_dtype dtype, int64_t count, in
   float* partials = static_cast<float*>(scratch);
   const dim3 grid(static_cast<unsigned int>(chunks), static_cast<unsigned int>(batch));
   if (dtype == SHARDMUON_BFLOAT16) {
-    chunk_sum_of_squares_kernel<<<grid, kThreads, 0, stream>>>(static_cast<const __nv_bfloat16*>(x),
-                                                               count, chunk_length, partials);
+    launch_kernel("chunk_sum_of_squares_kernel", chunk_sum_of_squares_kernel<__nv_bfloat16>, grid,
+                  dim3(kThreads), stream, static_cast<const __nv_bfloat16*>(x), count, chunk_length,
+                  partials);
   } else {
-    chunk_sum_of_squares_kernel<<<grid, kThreads, 0, stream>>>(static_cast<const float*>(x), count,
-                                                               chunk_length, partials);
+    launch_kernel("chunk_sum_of_squares_kernel", chunk_sum_of_squares_kernel<float>, grid,
+                  dim3(kThreads), stream, static_cast<const float*>(x), count, chunk_length,
+                  partials);
   }
-  check_launch("chunk_sum_of_squares_kernel");
-  sum_partials_kernel<<<static_cast<unsigned int>(batch), kThreads, 0, stream>>>(
-      partials, chunks, static_cast<float*>(result));
-  check_launch("sum_partials_kernel");
+  launch_kernel("sum_partials_kernel", sum_partials_kernel, dim3(static_cast<unsigned int>(batch)),
+                dim3(kThreads), stream, partials, chunks, static_cast<float*>(result));
 }
 
 void divide_by_norm_cuda(const void* x, void* y, shardmuon_dtype dtype, int64_t count,
@@ -549,7 +542,6 @@ void divide_by_norm_cuda(const void* x, void* y, shardmuon_dtype dtype, int64_t 
     launch_divide_by_norm(static_cast<const float*>(x), static_cast<float*>(y), count, grid,
                           vectors, sums, epsilon, stream);
   }
-  check_launch("divide_by_norm_kernel");
 }
 
 template <typename Source>
@@ -558,11 +550,11 @@ void launch_unpack_symmetric(const Source* packed, const PackedTriangle& layout,
                              cudaStream_t stream) {
   const dim3 block(kThreadsX, kThreadsY);
   if (dst_type == SHARDMUON_FLOAT32) {
-    unpack_symmetric_kernel<<<grid, block, 0, stream>>>(packed, layout, static_cast<float*>(dst),
-                                                        shift, parts);
+    launch_kernel("unpack_symmetric_kernel", unpack_symmetric_kernel<Source, float>, grid, block,
+                  stream, packed, layout, static_cast<float*>(dst), shift, parts);
   } else {
-    unpack_symmetric_kernel<<<grid, block, 0, stream>>>(
-        packed, layout, static_cast<__nv_bfloat16*>(dst), shift, parts);
+    launch_kernel("unpack_symmetric_kernel", unpack_symmetric_kernel<Source, __nv_bfloat16>, grid,
+                  block, stream, packed, layout, static_cast<__nv_bfloat16*>(dst), shift, parts);
   }
 }
 
@@ -588,7 +580,6 @@ void unpack_symmetric_cuda(const void* packed, shardmuon_dtype src_type,
     launch_unpack_symmetric(static_cast<const __nv_bfloat16*>(packed), layout, grid, dst, dst_type,
                             static_cast<float>(shift), parts, stream);
   }
-  check_launch("unpack_symmetric_kernel");
 }
 
 void mirror_lower_cuda(void* matrix, shardmuon_dtype dtype, int64_t n, int64_t batch,
@@ -603,15 +594,14 @@ void mirror_lower_cuda(void* matrix, shardmuon_dtype dtype, int64_t n, int64_t b
               shift = static_cast<float>(diagonal.shift);
   float* parts = static_cast<float*>(square_parts);
   if (dtype == SHARDMUON_FLOAT32) {
-    mirror_lower_kernel<<<grid, block, 0, stream>>>(
-        static_cast<float*>(matrix), n, squares, square_scale, scale,
-        static_cast<const float*>(diagonal.addend), shift, parts);
+    launch_kernel("mirror_lower_kernel", mirror_lower_kernel<float>, grid, block, stream,
+                  static_cast<float*>(matrix), n, squares, square_scale, scale,
+                  static_cast<const float*>(diagonal.addend), shift, parts);
   } else {
-    mirror_lower_kernel<<<grid, block, 0, stream>>>(
-        static_cast<__nv_bfloat16*>(matrix), n, squares, square_scale, scale,
-        static_cast<const __nv_bfloat16*>(diagonal.addend), shift, parts);
+    launch_kernel("mirror_lower_kernel", mirror_lower_kernel<__nv_bfloat16>, grid, block, stream,
+                  static_cast<__nv_bfloat16*>(matrix), n, squares, square_scale, scale,
+                  static_cast<const __nv_bfloat16*>(diagonal.addend), shift, parts);
   }
-  check_launch("mirror_lower_kernel");
 }
 
 }  // namespace shardmuon

@@ -10,6 +10,7 @@
 #include "core/error.h"
 #include "cuda/cuda_check.h"
 #include "cuda/float_conversions.cuh"
+#include "cuda/kernel_launch.cuh"
 #include "cuda/muon_kernels.cuh"
 
 namespace shardmuon {
@@ -159,16 +160,17 @@ void launch_momentum(const MomentumPass& pass, cudaStream_t stream) {
                           aligned(momentum_out) && aligned(update);
   const int64_t bulk = vectorized ? pass.count / N * N : 0;
   if (bulk > 0) {
-    momentum_kernel<T, N, kNesterov, kL2><<<grid_for(bulk / N), kThreads, 0, stream>>>(
-        grad, param, momentum, momentum_out, update, bulk, beta, l2, pass.nonfinite_flag);
+    launch_kernel("momentum_kernel", momentum_kernel<T, N, kNesterov, kL2>,
+                  dim3(grid_for(bulk / N)), dim3(kThreads), stream, grad, param, momentum,
+                  momentum_out, update, bulk, beta, l2, pass.nonfinite_flag);
   }
   if (pass.count > bulk) {
     const int64_t rest = pass.count - bulk;
-    momentum_kernel<T, 1, kNesterov, kL2><<<grid_for(rest), kThreads, 0, stream>>>(
-        grad + bulk, kL2 ? param + bulk : nullptr, momentum + bulk, momentum_out + bulk,
-        update + bulk, rest, beta, l2, pass.nonfinite_flag);
+    launch_kernel("momentum_kernel", momentum_kernel<T, 1, kNesterov, kL2>, dim3(grid_for(rest)),
+                  dim3(kThreads), stream, grad + bulk, kL2 ? param + bulk : nullptr,
+                  momentum + bulk, momentum_out + bulk, update + bulk, rest, beta, l2,
+                  pass.nonfinite_flag);
   }
-  check_cuda(cudaGetLastError(), "momentum_kernel launch");
 }
 
 template <typename T>
@@ -191,14 +193,14 @@ void launch_update(void* param_bytes, const void* update_bytes, int64_t count, f
   const T* update = static_cast<const T*>(update_bytes);
   const int64_t bulk = aligned(param) && aligned(update) ? count / N * N : 0;
   if (bulk > 0) {
-    update_kernel<T, N>
-        <<<grid_for(bulk / N), kThreads, 0, stream>>>(param, update, bulk, decay, step_size, rate);
+    launch_kernel("update_kernel", update_kernel<T, N>, dim3(grid_for(bulk / N)), dim3(kThreads),
+                  stream, param, update, bulk, decay, step_size, rate);
   }
   if (count > bulk) {
-    update_kernel<T, 1><<<grid_for(count - bulk), kThreads, 0, stream>>>(
-        param + bulk, update + bulk, count - bulk, decay, step_size, rate);
+    launch_kernel("update_kernel", update_kernel<T, 1>, dim3(grid_for(count - bulk)),
+                  dim3(kThreads), stream, param + bulk, update + bulk, count - bulk, decay,
+                  step_size, rate);
   }
-  check_cuda(cudaGetLastError(), "update_kernel launch");
 }
 
 template <typename T>
@@ -215,17 +217,16 @@ void launch_commit(const CommitPass& pass, cudaStream_t stream) {
   const int64_t bulk = vectorized ? pass.count / N * N : 0;
   // One launch counts a skipped parameter; the remainder's launch does not count it again.
   if (bulk > 0) {
-    commit_kernel<T, N><<<grid_for(bulk / N), kThreads, 0, stream>>>(
-        param, update, momentum, new_momentum, bulk, decay, step, pass.step_flag, pass.param_flag,
-        counter, DeviceRate::of(pass.device_lr));
+    launch_kernel("commit_kernel", commit_kernel<T, N>, dim3(grid_for(bulk / N)), dim3(kThreads),
+                  stream, param, update, momentum, new_momentum, bulk, decay, step, pass.step_flag,
+                  pass.param_flag, counter, DeviceRate::of(pass.device_lr));
   }
   if (pass.count > bulk || pass.count == 0) {
-    commit_kernel<T, 1><<<grid_for(pass.count - bulk), kThreads, 0, stream>>>(
-        param + bulk, update + bulk, momentum + bulk, new_momentum + bulk, pass.count - bulk, decay,
-        step, pass.step_flag, pass.param_flag, bulk > 0 ? nullptr : counter,
-        DeviceRate::of(pass.device_lr));
+    launch_kernel("commit_kernel", commit_kernel<T, 1>, dim3(grid_for(pass.count - bulk)),
+                  dim3(kThreads), stream, param + bulk, update + bulk, momentum + bulk,
+                  new_momentum + bulk, pass.count - bulk, decay, step, pass.step_flag,
+                  pass.param_flag, bulk > 0 ? nullptr : counter, DeviceRate::of(pass.device_lr));
   }
-  check_cuda(cudaGetLastError(), "commit_kernel launch");
 }
 
 }  // namespace
@@ -243,18 +244,18 @@ void flag_nonfinite_cuda(const void* x, shardmuon_dtype dtype, int64_t count, fl
                          cudaStream_t stream) {
   if (count == 0) return;
   if (dtype == SHARDMUON_BFLOAT16) {
-    flag_nonfinite_kernel<<<grid_for(count), kThreads, 0, stream>>>(
-        static_cast<const __nv_bfloat16*>(x), count, flag);
+    launch_kernel("flag_nonfinite_kernel", flag_nonfinite_kernel<__nv_bfloat16>,
+                  dim3(grid_for(count)), dim3(kThreads), stream,
+                  static_cast<const __nv_bfloat16*>(x), count, flag);
   } else {
-    flag_nonfinite_kernel<<<grid_for(count), kThreads, 0, stream>>>(static_cast<const float*>(x),
-                                                                    count, flag);
+    launch_kernel("flag_nonfinite_kernel", flag_nonfinite_kernel<float>, dim3(grid_for(count)),
+                  dim3(kThreads), stream, static_cast<const float*>(x), count, flag);
   }
-  check_cuda(cudaGetLastError(), "flag_nonfinite_kernel launch");
 }
 
 void count_if_flagged_cuda(const float* flag, int64_t* counter, cudaStream_t stream) {
-  count_if_flagged_kernel<<<1, 1, 0, stream>>>(flag, reinterpret_cast<long long*>(counter));
-  check_cuda(cudaGetLastError(), "count_if_flagged_kernel launch");
+  launch_kernel("count_if_flagged_kernel", count_if_flagged_kernel, dim3(1), dim3(1), stream, flag,
+                reinterpret_cast<long long*>(counter));
 }
 
 void momentum_pass_cuda(const MomentumPass& pass, cudaStream_t stream) {
