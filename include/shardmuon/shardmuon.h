@@ -267,7 +267,10 @@ SHARDMUON_API shardmuon_status shardmuon_comm_create_nccl(void* nccl_comm, shard
  * say PyTorch's gloo). Each function returns 0 on success, anything else on failure (the call
  * then fails with SHARDMUON_ERROR_INTERNAL naming the operation). Buffers are in the memory of
  * `backend` (host memory for the CPU backend); stream is the call's stream. Every rank of the
- * group makes the same calls in the same order. */
+ * group makes the same calls in the same order. A step captured into a CUDA graph
+ * (shardmuon_muon_step) calls them while `stream` is being captured: they must then only
+ * enqueue work on it, not synchronize it (a copy staged through host memory cannot be
+ * captured, and the step then fails naming the callback). */
 typedef struct shardmuon_comm_callbacks {
   void* user_data; /* passed back to every function */
   int rank;
