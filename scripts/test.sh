@@ -49,10 +49,12 @@ summary+=("python tests: $(grep -E '[0-9]+ (passed|failed)' "$root/build/pytest.
   sanitizer_status=0
   ASAN_OPTIONS=detect_leaks=1 "$asan/tests/shardmuon_single_tests" --gtest_brief=1 \
     >"$asan/single.log" 2>&1 || sanitizer_status=1
-  for ranks in 2 4; do
+  for run in "2 native" "4 native" "3 callbacks"; do
+    read -r ranks comm <<<"$run"
     ASAN_OPTIONS=detect_leaks=0 mpirun --oversubscribe $([[ $(id -u) -eq 0 ]] && echo --allow-run-as-root) \
       -np $ranks -x ASAN_OPTIONS -x UBSAN_OPTIONS -x OPENBLAS_NUM_THREADS \
-      "$asan/tests/shardmuon_tests" --gtest_brief=1 >"$asan/ranks$ranks.log" 2>&1 || sanitizer_status=1
+      "$asan/tests/shardmuon_tests" --comm=$comm --gtest_brief=1 >"$asan/ranks${ranks}_$comm.log" 2>&1 ||
+      sanitizer_status=1
   done
   if grep -hE "ERROR: (Address|Leak)Sanitizer|runtime error" "$asan"/*.log; then sanitizer_status=1; fi
   if ((sanitizer_status)); then status=1; fi
