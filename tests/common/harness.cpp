@@ -71,12 +71,12 @@ void Harness::initialize(shardmuon_backend backend, CommKind comm_kind) {
   h.comm_kind_ = comm_kind;
   MPI_Comm_rank(MPI_COMM_WORLD, &h.world_rank_);
   MPI_Comm_size(MPI_COMM_WORLD, &h.world_size_);
-  const bool over_nccl = backend == SHARDMUON_BACKEND_CUDA && comm_kind == CommKind::kNative;
 
   int max_size = h.world_size_;
   int device = 0;
   if (backend == SHARDMUON_BACKEND_CUDA) {
 #ifdef SHARDMUON_TEST_WITH_CUDA
+    const bool over_nccl = comm_kind == CommKind::kNative;
     int devices = 0;
     cuda_ok(cudaGetDeviceCount(&devices), "cudaGetDeviceCount");
     require(devices >= 1, "no CUDA device");

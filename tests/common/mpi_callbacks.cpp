@@ -66,7 +66,8 @@ class HostView {
   }
 
   // Writes `bytes` at `offset` of the host copy back to the device buffer, done on return.
-  void write_back(size_t offset, size_t bytes) {
+  // (Without CUDA there are no device buffers: the constructor refused them.)
+  void write_back([[maybe_unused]] size_t offset, size_t bytes) {
     if (!on_device_ || bytes == 0) return;
 #ifdef SHARDMUON_TEST_WITH_CUDA
     cudaStream_t stream = static_cast<cudaStream_t>(stream_);
