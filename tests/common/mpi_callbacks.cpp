@@ -1,10 +1,12 @@
 #include "mpi_callbacks.h"
 
 #include <algorithm>
+#include <chrono>
 #include <climits>
 #include <cstdio>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #ifdef SHARDMUON_TEST_WITH_CUDA
@@ -177,11 +179,36 @@ int MpiCallbacks::all_to_all(void* self, const void* send, const size_t* send_by
   });
 }
 
+// agree_max is the first collective of every call (the library's argument exchange). A rank
+// left waiting in it this long has been left alone: the others returned from a test early
+// after a failure (their output says which), while it went on. The job is aborted with that
+// message, where a blocking MPI_Allreduce would hang silently.
+constexpr double kAloneSeconds = 120;
+
 int MpiCallbacks::agree_max(void* self, int64_t* values, int count) {
   return guarded("agree_max", [&] {
     const MpiCallbacks& me = *static_cast<MpiCallbacks*>(self);
-    mpi_ok(MPI_Allreduce(MPI_IN_PLACE, values, count, MPI_INT64_T, MPI_MAX, me.comm_),
-           "MPI_Allreduce");
+    MPI_Request request = MPI_REQUEST_NULL;
+    mpi_ok(MPI_Iallreduce(MPI_IN_PLACE, values, count, MPI_INT64_T, MPI_MAX, me.comm_, &request),
+           "MPI_Iallreduce");
+    const auto start = std::chrono::steady_clock::now();
+    for (int done = 0;;) {
+      mpi_ok(MPI_Test(&request, &done, MPI_STATUS_IGNORE), "MPI_Test");
+      if (done) return;
+      if (std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() >
+          kAloneSeconds) {
+        int world_rank = 0;
+        MPI_Comm_rank(MPI_COMM_WORLD, &world_rank);
+        std::fprintf(stderr,
+                     "[rank %d] MpiCallbacks: a call's argument exchange did not complete within "
+                     "%.0f s: a rank of the group has most likely left the test after a failure "
+                     "(see its output). Aborting the job.\n",
+                     world_rank, kAloneSeconds);
+        MPI_Abort(MPI_COMM_WORLD, 3);
+      }
+      // The ranks may share few cores (oversubscribed CPU runs): poll without hogging one.
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
   });
 }
 
