@@ -3,6 +3,7 @@
 
 #include <cuda_runtime.h>
 
+#include <string>
 #include <utility>
 
 #include "cuda/cuda_check.h"
@@ -21,7 +22,8 @@ void launch_kernel(const char* name, void (*kernel)(Params...), dim3 grid, dim3 
   config.blockDim = block;
   config.dynamicSmemBytes = 0;
   config.stream = stream;
-  check_cuda(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...), name);
+  const cudaError_t code = cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+  if (code != cudaSuccess) check_cuda(code, (std::string(name) + " launch").c_str());
 }
 
 }  // namespace shardmuon
