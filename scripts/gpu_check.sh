@@ -136,44 +136,41 @@ timeout_injection() {
 # write (the TMA stores) and so reports later reads of fresh GEMM outputs; a bf16
 # torch.matmul into torch.empty memory, then .float(), draws the same reports
 # (docs/GPU_RUNS.md, eleventh session).
+# Runs a command that reads GTEST_TOTAL_SHARDS and GTEST_SHARD_INDEX as `count` concurrent
+# gtest shards (logs sanitize_<name>_<i>.log), prints what failed (the logs may not come back)
+# and adds a result line.
+sanitized_shards() {  # count, time limit, name, description, command...
+  local count=$1 limit=$2 name=$3 description=$4 i failed=0
+  shift 4
+  for ((i = 0; i < count; i++)); do
+    GTEST_TOTAL_SHARDS=$count GTEST_SHARD_INDEX=$i timeout "$limit" "$@" \
+      >"$out/sanitize_${name}_$i.log" 2>&1 &
+  done
+  for ((i = 0; i < count; i++)); do wait -n || failed=$((failed + 1)); done
+  grep -hE -A6 "Failure$|^\[  FAILED  \] [A-Z]|^========= (Error|Warning|Invalid|Program hit)" \
+    "$out"/sanitize_${name}_*.log | cut -c1-300 | head -60
+  results+=("compute-sanitizer $description ($count shards): $failed shard(s) failed; $(
+    cat "$out"/sanitize_${name}_*.log | sed 's/\x1b\[[0-9;]*m//g' |
+      awk '/PASSED  \]/ {n += $4} END {print n + 0}') tests passed; errors and hazards: $(
+    cat "$out"/sanitize_${name}_*.log | awk '/(ERROR|RACECHECK) SUMMARY:/ {n += $4} END {print n + 0}')")
+}
 sanitize() {
-  local cs tool log rc i failed shards=$(( $(nproc) > 3 ? $(nproc) - 2 : 1 ))
+  local cs tool log rc shards=$(( $(nproc) > 3 ? $(nproc) - 2 : 1 ))
   local pairs=$(( shards > 1 ? shards / 2 : 1 ))  # 2-rank runs, two processes each
   cs=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
   for tool in memcheck synccheck racecheck; do
-    failed=0
-    for ((i = 0; i < shards; i++)); do
-      GTEST_TOTAL_SHARDS=$shards GTEST_SHARD_INDEX=$i timeout 500 "$cs" --tool $tool --report-api-errors no \
-        --error-exitcode 9 $build/tests/shardmuon_tests --backend=cuda --gtest_brief=1 \
-        --gtest_filter='-*MultiBlock*' >"$out/sanitize_suite_${tool}_$i.log" 2>&1 &
-    done
-    for ((i = 0; i < shards; i++)); do wait -n || failed=$((failed + 1)); done
-    # What failed, here, since the logs may not come back.
-    grep -hE -A6 "Failure$|^\[  FAILED  \] [A-Z]|^========= (Error|Warning|Invalid|Program hit)" \
-      "$out"/sanitize_suite_${tool}_*.log | cut -c1-300 | head -60
-    results+=("compute-sanitizer $tool, CUDA suite (1 GPU, $shards shards): $failed shard(s) failed; $(
-      cat "$out"/sanitize_suite_${tool}_*.log | sed 's/\x1b\[[0-9;]*m//g' |
-        awk '/PASSED  \]/ {n += $4} END {print n + 0}') tests passed; errors and hazards: $(
-      cat "$out"/sanitize_suite_${tool}_*.log | awk '/(ERROR|RACECHECK) SUMMARY:/ {n += $4} END {print n + 0}')")
+    sanitized_shards $shards 500 "suite_$tool" "$tool, CUDA suite (1 GPU)" \
+      "$cs" --tool $tool --report-api-errors no --error-exitcode 9 $build/tests/shardmuon_tests \
+      --backend=cuda --gtest_brief=1 --gtest_filter='-*MultiBlock*'
   done
   # memcheck and synccheck over the suite on 2 ranks sharing the GPUs over --comm=callbacks
   # (the distributed paths; about a minute each on one H200 in 7 shards). racecheck is left
   # out there: 7 shards of it had not finished in 170 s.
   for tool in memcheck synccheck; do
-    failed=0
-    for ((i = 0; i < pairs; i++)); do
-      GTEST_TOTAL_SHARDS=$pairs GTEST_SHARD_INDEX=$i timeout 300 "${mpi[@]}" \
-        -x GTEST_TOTAL_SHARDS -x GTEST_SHARD_INDEX -np 2 "$cs" --tool $tool --report-api-errors no \
-        --error-exitcode 9 $build/tests/shardmuon_tests --backend=cuda --comm=callbacks \
-        --gtest_brief=1 --gtest_filter='-*MultiBlock*' >"$out/sanitize_callbacks_${tool}_$i.log" 2>&1 &
-    done
-    for ((i = 0; i < pairs; i++)); do wait -n || failed=$((failed + 1)); done
-    grep -hE -A6 "Failure$|^\[  FAILED  \] [A-Z]|^========= (Error|Invalid|Program hit)" \
-      "$out"/sanitize_callbacks_${tool}_*.log | cut -c1-300 | head -40
-    results+=("compute-sanitizer $tool, CUDA suite on 2 ranks over callbacks ($pairs shards): $failed shard(s) failed; $(
-      cat "$out"/sanitize_callbacks_${tool}_*.log | sed 's/\x1b\[[0-9;]*m//g' |
-        awk '/PASSED  \]/ {n += $4} END {print n + 0}') tests passed; errors: $(
-      cat "$out"/sanitize_callbacks_${tool}_*.log | awk '/ERROR SUMMARY:/ {n += $4} END {print n + 0}')")
+    sanitized_shards $pairs 300 "callbacks_$tool" "$tool, CUDA suite on 2 ranks over callbacks" \
+      "${mpi[@]}" -x GTEST_TOTAL_SHARDS -x GTEST_SHARD_INDEX -np 2 "$cs" --tool $tool \
+      --report-api-errors no --error-exitcode 9 $build/tests/shardmuon_tests --backend=cuda \
+      --comm=callbacks --gtest_brief=1 --gtest_filter='-*MultiBlock*'
   done
   for tool in memcheck racecheck synccheck initcheck; do
     log="$out/sanitize_unit_$tool.log"

@@ -39,6 +39,7 @@ int main(int argc, char** argv) {
     if (argument == "--backend=cuda") {
       backend = SHARDMUON_BACKEND_CUDA;
     } else if (argument == "--backend=cpu" || argument == "--comm=native") {
+      // the defaults
     } else if (argument == "--comm=callbacks") {
       comm_kind = shardmuon_test::CommKind::kCallbacks;
     } else {

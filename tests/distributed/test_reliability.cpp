@@ -34,7 +34,7 @@ TEST_F(Reliability, ARankThatNeverCallsEndsInATimeoutOnTheOthers) {
   if (Harness::get().on_gpu() && Harness::get().comm_kind() == CommKind::kCallbacks) {
     // The CPU backend's run still checks the timeout over an MPI handle of its own.
     GTEST_SKIP() << "a callback communicator times out in the caller's collectives, and "
-                    "MpiCallbacks's block; NCCL runs check this";
+                    "MpiCallbacks abort the job instead; NCCL runs check this";
   }
   for (int p = 2; p <= Harness::get().max_group_size(); ++p) {
     const Group& group = Harness::get().group(p);
