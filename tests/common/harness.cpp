@@ -213,6 +213,18 @@ void DistributedTest::TearDown() {
   if (any_failed && !failed) ADD_FAILURE() << "another rank failed this test (its output says why)";
 }
 
+bool for_each_group(int first_size, const std::function<void(const Group&)>& body) {
+  const Harness& harness = Harness::get();
+  for (int size = first_size; size <= harness.max_group_size(); ++size) {
+    const Group& group = harness.group(size);
+    if (group.member) body(group);
+    int failed = ::testing::Test::HasFatalFailure() ? 1 : 0;
+    MPI_Allreduce(MPI_IN_PLACE, &failed, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+    if (failed) return false;
+  }
+  return true;
+}
+
 double group_relative_error(const std::vector<double>& x, const std::vector<double>& reference,
                             MPI_Comm group) {
   double sums[2] = {0, 0};

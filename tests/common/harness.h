@@ -11,6 +11,7 @@
 #include <mpi.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -99,6 +100,14 @@ class DistributedTest : public ::testing::Test {
  protected:
   void TearDown() override;
 };
+
+// Runs body(group) on the members of each group of size first_size..max_group_size, every
+// rank visiting the sizes in step: after each size the world agrees whether any rank has
+// failed fatally (an ASSERT returns from the body), and if one has, every rank stops there
+// and this returns false. Without that a failed member would leave the test while a rank
+// outside its group went on to the next, larger group and waited in a collective for ranks
+// that were not coming (until the communicator's timeout, minutes later).
+bool for_each_group(int first_size, const std::function<void(const Group&)>& body);
 
 // sqrt(sum (x - ref)^2 / sum ref^2) over the group's shards.
 double group_relative_error(const std::vector<double>& x, const std::vector<double>& reference,

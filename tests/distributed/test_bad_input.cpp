@@ -185,9 +185,8 @@ class BadInput : public DistributedTest {};
 
 // Every rank passes the same bad argument: every rank gets the error naming it.
 TEST_F(BadInput, EveryRankAtFault) {
-  for (int p = 1; p <= Harness::get().max_group_size(); ++p) {
-    const Group& group = Harness::get().group(p);
-    if (!group.member) continue;
+  for_each_group(1, [&](const Group& group) {
+    const int p = group.size;
     for (const BadCase& bad : bad_cases()) {
       Call call = valid_call(group);
       bad.perturb(call);
@@ -197,15 +196,14 @@ TEST_F(BadInput, EveryRankAtFault) {
           << bad.name << ": message \"" << outcome.error << "\" lacks \"" << bad.message << "\"";
       EXPECT_TRUE(outcome.buffer_unchanged) << bad.name;
     }
-  }
+  });
 }
 
 // Only the group's last rank passes the bad argument: it gets the error naming it, every
 // other rank PEER_FAILED naming that rank; no rank hangs, nothing is modified.
 TEST_F(BadInput, OneRankAtFaultFailsEveryRank) {
-  for (int p = 2; p <= Harness::get().max_group_size(); ++p) {
-    const Group& group = Harness::get().group(p);
-    if (!group.member) continue;
+  for_each_group(2, [&](const Group& group) {
+    const int p = group.size;
     const bool at_fault = group.rank == p - 1;
     for (const BadCase& bad : bad_cases()) {
       Call call = valid_call(group);
@@ -224,7 +222,7 @@ TEST_F(BadInput, OneRankAtFaultFailsEveryRank) {
     // The communicator still works after all of that.
     const Outcome fine = perform(group, valid_call(group));
     EXPECT_EQ(fine.status, SHARDMUON_SUCCESS) << fine.error;
-  }
+  });
 }
 
 // Valid arguments that differ between ranks: RANK_MISMATCH on every rank.
@@ -240,9 +238,7 @@ TEST_F(BadInput, RanksThatDisagreeAllFail) {
       {"other algorithm", [](Call& c) { c.options.algorithm = SHARDMUON_NS_DUPLICATED; }},
       {"other partition", [](Call& c) { c.partition = SHARDMUON_REPLICATED; }},
   };
-  for (int p = 2; p <= Harness::get().max_group_size(); ++p) {
-    const Group& group = Harness::get().group(p);
-    if (!group.member) continue;
+  for_each_group(2, [&](const Group& group) {
     for (const auto& [name, perturb] : disagreements) {
       Call call = valid_call(group);
       if (group.rank == 0) perturb(call);
@@ -251,7 +247,7 @@ TEST_F(BadInput, RanksThatDisagreeAllFail) {
       EXPECT_NE(outcome.error.find("disagree"), std::string::npos) << outcome.error;
       EXPECT_TRUE(outcome.buffer_unchanged) << name;
     }
-  }
+  });
 }
 
 TEST_F(BadInput, HandlesAndHelpers) {

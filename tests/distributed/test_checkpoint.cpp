@@ -153,9 +153,8 @@ TEST_F(Checkpoint, LoadsOnAnyNumberOfRanksAndLayouts) {
         << shardmuon_last_error();
   }
   MPI_Barrier(MPI_COMM_WORLD);
-  for (int p = 1; p <= Harness::get().max_group_size(); ++p) {
-    const Group& group = Harness::get().group(p);
-    if (!group.member) continue;
+  for_each_group(1, [&](const Group& group) {
+    const int p = group.size;
     for (int layout_kind = 0; layout_kind <= 2; ++layout_kind) {
       State state(group, layout_kind, /*zero_momentum=*/true);
       shardmuon_muon_group hyper;
@@ -181,7 +180,7 @@ TEST_F(Checkpoint, LoadsOnAnyNumberOfRanksAndLayouts) {
             << param.name << " on " << p << " ranks, layout kind " << layout_kind;
       }
     }
-  }
+  });
 }
 
 // Loading without the groups leaves hyperparameters to the caller; into another dtype, the

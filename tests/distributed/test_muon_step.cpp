@@ -267,9 +267,8 @@ class MuonStepBatches : public DistributedTest {};
 // One call over parameters of different shapes, layouts, dtypes and groups, one of them
 // without a gradient (left untouched on every rank).
 TEST_F(MuonStepBatches, MixedBatchMatchesTheReference) {
-  for (int p = 1; p <= Harness::get().max_group_size(); ++p) {
-    const Group& group = Harness::get().group(p);
-    if (!group.member) continue;
+  for_each_group(1, [&](const Group& group) {
+    const int p = group.size;
     const shardmuon_dtype precise = Harness::get().on_gpu() ? SHARDMUON_FLOAT32 : SHARDMUON_FLOAT64;
     std::vector<Parameter> params;
     params.push_back(make_parameter(37, 53, SHARDMUON_FLOAT32, SHARDMUON_SHARDED_DIM0, p, 1, 3));
@@ -291,7 +290,7 @@ TEST_F(MuonStepBatches, MixedBatchMatchesTheReference) {
                 {SHARDMUON_SCHEDULE_QUINTIC, SHARDMUON_SCHEDULE_POLAR_EXPRESS},
                 {5, 8}};
     run_and_compare(group, run, 3, "mixed batch P=" + std::to_string(p));
-  }
+  });
 }
 
 // The same batch under every way of distributing the orthogonalization, against the
@@ -303,9 +302,8 @@ TEST_F(MuonStepBatches, EveryDistributionMatchesTheReference) {
   for (const shardmuon_ns_algorithm algorithm :
        {SHARDMUON_NS_OWNER, SHARDMUON_NS_GRAM_ALLREDUCE, SHARDMUON_NS_DUPLICATED, SHARDMUON_NS_AUTO,
         SHARDMUON_NS_GRAM_NEWTON_SCHULZ}) {
-    for (int p = 1; p <= Harness::get().max_group_size(); ++p) {
-      const Group& group = Harness::get().group(p);
-      if (!group.member) continue;
+    for_each_group(1, [&](const Group& group) {
+      const int p = group.size;
       std::vector<Parameter> params;
       params.push_back(make_parameter(37, 53, SHARDMUON_FLOAT32, SHARDMUON_SHARDED_DIM0, p, 11, 2));
       params.push_back(
@@ -324,16 +322,15 @@ TEST_F(MuonStepBatches, EveryDistributionMatchesTheReference) {
       run.algorithm = algorithm;
       run_and_compare(group, run, 2,
                       "algorithm " + std::to_string(algorithm) + " P=" + std::to_string(p));
-    }
+    });
   }
 }
 
 // Two matrices over more ranks than that: owners leave ranks idle, which must still join
 // both exchanges with nothing to send.
 TEST_F(MuonStepBatches, OwnersWithFewerMatricesThanRanks) {
-  for (int p = 2; p <= Harness::get().max_group_size(); ++p) {
-    const Group& group = Harness::get().group(p);
-    if (!group.member) continue;
+  for_each_group(2, [&](const Group& group) {
+    const int p = group.size;
     std::vector<Parameter> params;
     params.push_back(make_parameter(40, 24, SHARDMUON_FLOAT32, SHARDMUON_SHARDED_DIM0, p, 21, 3));
     params.push_back(make_parameter(9, 70, SHARDMUON_FLOAT32, SHARDMUON_SHARDED_DIM1, p, 22, 3,
@@ -341,7 +338,7 @@ TEST_F(MuonStepBatches, OwnersWithFewerMatricesThanRanks) {
     StepRun run{params, {ReferenceGroup{}}, {SHARDMUON_SCHEDULE_QUINTIC}, {5}};
     run.algorithm = SHARDMUON_NS_OWNER;
     run_and_compare(group, run, 3, "two owners P=" + std::to_string(p));
-  }
+  });
 }
 
 #ifdef SHARDMUON_TEST_WITH_CUDA
@@ -350,9 +347,8 @@ TEST_F(MuonStepBatches, OwnersWithFewerMatricesThanRanks) {
 // ahead, and the caller can still read its error afterwards.
 TEST_F(MuonStepBatches, AnUnreadCudaErrorOfTheCallerDoesNotFailTheStep) {
   if (!Harness::get().on_gpu()) GTEST_SKIP() << "CUDA errors";
-  for (int p = 1; p <= Harness::get().max_group_size(); ++p) {
-    const Group& group = Harness::get().group(p);
-    if (!group.member) continue;
+  for_each_group(1, [&](const Group& group) {
+    const int p = group.size;
     std::vector<Parameter> params;
     params.push_back(make_parameter(37, 53, SHARDMUON_FLOAT32, SHARDMUON_SHARDED_DIM0, p, 81, 1));
     params.push_back(make_parameter(64, 17, SHARDMUON_BFLOAT16, SHARDMUON_SHARDED_DIM1, p, 82, 1));
@@ -361,7 +357,7 @@ TEST_F(MuonStepBatches, AnUnreadCudaErrorOfTheCallerDoesNotFailTheStep) {
     ASSERT_EQ(cudaMalloc(&too_large, size_t{1} << 62), cudaErrorMemoryAllocation);
     run_and_compare(group, run, 1, "after an unread error P=" + std::to_string(p));
     EXPECT_EQ(cudaGetLastError(), cudaErrorMemoryAllocation);
-  }
+  });
 }
 
 // A step captured into a CUDA graph and replayed with new gradients in the same buffers gives
@@ -391,9 +387,8 @@ TEST_F(MuonStepBatches, CapturedStepReplaysLikeUncapturedSteps) {
   const std::unique_ptr<shardmuon_context_s, decltype(&shardmuon_context_destroy)> context(
       raw_context, shardmuon_context_destroy);
   for (const shardmuon_ns_algorithm algorithm : {SHARDMUON_NS_AUTO, SHARDMUON_NS_GRAM_ALLREDUCE}) {
-    for (int p = 1; p <= harness.max_group_size(); ++p) {
-      const Group& group = harness.group(p);
-      if (!group.member) continue;
+    for_each_group(1, [&](const Group& group) {
+      const int p = group.size;
       const bool flat = algorithm != SHARDMUON_NS_GRAM_ALLREDUCE;  // which refuses flat shards
       std::vector<Parameter> params;
       params.push_back(make_parameter(37, 53, SHARDMUON_FLOAT32, SHARDMUON_SHARDED_DIM0, p, 61, 3));
@@ -463,7 +458,7 @@ TEST_F(MuonStepBatches, CapturedStepReplaysLikeUncapturedSteps) {
       cudaGraphExecDestroy(replay);
       cudaGraphDestroy(graph);
       cudaGetLastError();
-    }
+    });
   }
 }
 #endif
@@ -471,9 +466,8 @@ TEST_F(MuonStepBatches, CapturedStepReplaysLikeUncapturedSteps) {
 // Many small matrices (stacked experts): each owner holds more matrices than the owner
 // batch has rounds, so a round exchanges several matrices per peer, in uneven numbers.
 TEST_F(MuonStepBatches, OwnersWithManyMatricesExchangeSeveralPerRound) {
-  for (int p = 2; p <= Harness::get().max_group_size(); ++p) {
-    const Group& group = Harness::get().group(p);
-    if (!group.member) continue;
+  for_each_group(2, [&](const Group& group) {
+    const int p = group.size;
     std::vector<Parameter> params;
     params.push_back(make_parameter(120, 7, SHARDMUON_FLOAT32, SHARDMUON_SHARDED_DIM1, p, 51, 2));
     params.push_back(make_parameter(96, 6, SHARDMUON_FLOAT32, SHARDMUON_SHARDED_DIM0, p, 52, 2));
@@ -485,7 +479,7 @@ TEST_F(MuonStepBatches, OwnersWithManyMatricesExchangeSeveralPerRound) {
     StepRun run{params, {ReferenceGroup{}}, {SHARDMUON_SCHEDULE_QUINTIC}, {5}};
     run.algorithm = SHARDMUON_NS_OWNER;
     run_and_compare(group, run, 2, "many small matrices P=" + std::to_string(p));
-  }
+  });
 }
 
 // Learning rates read from backend memory (lr_on_device, the host lr NaN and ignored), a new
@@ -493,9 +487,8 @@ TEST_F(MuonStepBatches, OwnersWithManyMatricesExchangeSeveralPerRound) {
 // whether lr enters the decay) and both policies' final passes (the checked commit pass, the
 // unchecked update pass), against the reference with those rates; on 1-4 ranks.
 TEST_F(MuonStepBatches, LearningRateOnDeviceMatchesTheReference) {
-  for (int p = 1; p <= Harness::get().max_group_size(); ++p) {
-    const Group& group = Harness::get().group(p);
-    if (!group.member) continue;
+  for_each_group(1, [&](const Group& group) {
+    const int p = group.size;
     for (const shardmuon_nonfinite_policy policy :
          {SHARDMUON_NONFINITE_SKIP, SHARDMUON_NONFINITE_PROCEED}) {
       ASSERT_EQ(shardmuon_context_set_nonfinite_policy(Harness::get().context(), policy),
@@ -527,7 +520,7 @@ TEST_F(MuonStepBatches, LearningRateOnDeviceMatchesTheReference) {
     ASSERT_EQ(
         shardmuon_context_set_nonfinite_policy(Harness::get().context(), SHARDMUON_NONFINITE_SKIP),
         SHARDMUON_SUCCESS);
-  }
+  });
 }
 
 // Small matrices whose whole matrices fill the owners' slots exactly (16 x 24 float32 and
@@ -537,9 +530,8 @@ TEST_F(MuonStepBatches, LearningRateOnDeviceMatchesTheReference) {
 // runs as one batch on its own (the other algorithms). Uneven shards, one rank empty from
 // P = 3 on; against the reference under OWNER, AUTO, GRAM_NEWTON_SCHULZ and DUPLICATED.
 TEST_F(MuonStepBatches, SameShapedMatricesRunAsBatches) {
-  for (int p = 1; p <= Harness::get().max_group_size(); ++p) {
-    const Group& group = Harness::get().group(p);
-    if (!group.member) continue;
+  for_each_group(1, [&](const Group& group) {
+    const int p = group.size;
     for (const shardmuon_ns_algorithm algorithm :
          {SHARDMUON_NS_OWNER, SHARDMUON_NS_AUTO, SHARDMUON_NS_GRAM_NEWTON_SCHULZ,
           SHARDMUON_NS_DUPLICATED}) {
@@ -565,7 +557,7 @@ TEST_F(MuonStepBatches, SameShapedMatricesRunAsBatches) {
           group, run, 2,
           "batches, algorithm " + std::to_string(algorithm) + " P=" + std::to_string(p));
     }
-  }
+  });
 }
 
 // Stacked matrices (row_blocks), each orthogonalized and scaled on its own: a mixture-of-
@@ -577,9 +569,8 @@ TEST_F(MuonStepBatches, StackedMatricesAreOrthogonalizedOneByOne) {
   for (const shardmuon_ns_algorithm algorithm :
        {SHARDMUON_NS_AUTO, SHARDMUON_NS_DUPLICATED, SHARDMUON_NS_OWNER,
         SHARDMUON_NS_GRAM_NEWTON_SCHULZ}) {
-    for (int p = 1; p <= Harness::get().max_group_size(); ++p) {
-      const Group& group = Harness::get().group(p);
-      if (!group.member) continue;
+    for_each_group(1, [&](const Group& group) {
+      const int p = group.size;
       std::vector<Parameter> params;
       params.push_back(make_parameter(36, 20, SHARDMUON_FLOAT32, SHARDMUON_REPLICATED, p, 31, 2));
       params.push_back(make_parameter(30, 16, SHARDMUON_FLOAT32, SHARDMUON_SHARDED_DIM0, p, 32, 2));
@@ -595,7 +586,7 @@ TEST_F(MuonStepBatches, StackedMatricesAreOrthogonalizedOneByOne) {
       run_and_compare(
           group, run, 2,
           "stacked, algorithm " + std::to_string(algorithm) + " P=" + std::to_string(p));
-    }
+    });
   }
 }
 
@@ -606,9 +597,8 @@ TEST_F(MuonStepBatches, StackedMatricesAreOrthogonalizedOneByOne) {
 // oracle; GRAM_ALLREDUCE, which needs blocks of rows or columns, is refused on every rank
 // before anything is written.
 TEST_F(MuonStepBatches, FlatShardsMatchTheReference) {
-  for (int p = 1; p <= Harness::get().max_group_size(); ++p) {
-    const Group& group = Harness::get().group(p);
-    if (!group.member) continue;
+  for_each_group(1, [&](const Group& group) {
+    const int p = group.size;
     for (const shardmuon_ns_algorithm algorithm :
          {SHARDMUON_NS_AUTO, SHARDMUON_NS_OWNER, SHARDMUON_NS_DUPLICATED,
           SHARDMUON_NS_GRAM_NEWTON_SCHULZ}) {
@@ -642,16 +632,15 @@ TEST_F(MuonStepBatches, FlatShardsMatchTheReference) {
         << error;
     EXPECT_EQ(Harness::get().download(flat[0].w_buffer), w);
     EXPECT_EQ(Harness::get().download(flat[0].m_buffer), m);
-  }
+  });
 }
 
 // The step's planner, through shardmuon_muon_plan: many small sharded matrices under AUTO go
 // to owners, spread over every rank by their cost; a lone matrix is distributed on its own;
 // explicit algorithms are kept; a parameter without gradient has no owner.
 TEST_F(MuonStepBatches, PlannerChoicesAreReported) {
-  for (int p = 2; p <= Harness::get().max_group_size(); ++p) {
-    const Group& group = Harness::get().group(p);
-    if (!group.member) continue;
+  for_each_group(2, [&](const Group& group) {
+    const int p = group.size;
     auto plan_of = [&](std::vector<Parameter>& params, shardmuon_ns_algorithm algorithm,
                        std::vector<shardmuon_ns_algorithm>& algorithms, std::vector<int>& owners) {
       std::vector<shardmuon_muon_param> api = upload_parameters(params, group);
@@ -708,7 +697,7 @@ TEST_F(MuonStepBatches, PlannerChoicesAreReported) {
     EXPECT_EQ(algorithms[0], SHARDMUON_NS_LOCAL);  // AUTO never assumes replicas agree
     ASSERT_EQ(plan_of(replica, SHARDMUON_NS_OWNER, algorithms, owners), SHARDMUON_SUCCESS);
     EXPECT_EQ(algorithms[0], SHARDMUON_NS_OWNER);
-  }
+  });
 }
 
 // shardmuon_muon_plan_gram_iteration: which iteration each parameter runs. A lone matrix
@@ -716,9 +705,8 @@ TEST_F(MuonStepBatches, PlannerChoicesAreReported) {
 // GRAM_NEWTON_SCHULZ, never under DUPLICATED or GRAM_ALLREDUCE); owners run (e) on long
 // matrices and the standard iteration on square ones.
 TEST_F(MuonStepBatches, PlannedGramIterationIsReported) {
-  for (int p = 2; p <= Harness::get().max_group_size(); ++p) {
-    const Group& group = Harness::get().group(p);
-    if (!group.member) continue;
+  for_each_group(2, [&](const Group& group) {
+    const int p = group.size;
     shardmuon_muon_group g = to_api(ReferenceGroup{}, SHARDMUON_SCHEDULE_QUINTIC, 5);
     auto gram_of = [&](std::vector<Parameter>& params, shardmuon_ns_algorithm algorithm) {
       std::vector<shardmuon_muon_param> api = upload_parameters(params, group);
@@ -785,7 +773,7 @@ TEST_F(MuonStepBatches, PlannedGramIterationIsReported) {
         EXPECT_EQ(gram[i], expected) << "params[" << i << "], algorithm " << algorithm;
       }
     }
-  }
+  });
   shardmuon_muon_group g = to_api(ReferenceGroup{}, SHARDMUON_SCHEDULE_QUINTIC, 5);
   EXPECT_EQ(shardmuon_muon_plan_gram_iteration(
                 Harness::get().context(), Harness::get().group(1).comm, nullptr, 1, &g, 1, nullptr),
@@ -903,9 +891,7 @@ TEST_F(MuonStepBadInput, EveryRankAtFault) {
        [](StepCall& c) { c.api[0].grad = static_cast<const char*>(c.api[0].grad) + 2; },
        "params[0].grad"},
   };
-  for (int p = 1; p <= Harness::get().max_group_size(); ++p) {
-    const Group& group = Harness::get().group(p);
-    if (!group.member) continue;
+  for_each_group(1, [&](const Group& group) {
     for (const Bad& bad : cases) {
       StepCall call(group);
       bad.perturb(call);
@@ -916,14 +902,13 @@ TEST_F(MuonStepBadInput, EveryRankAtFault) {
           << bad.name << ": \"" << error << "\" lacks \"" << bad.message << "\"";
       EXPECT_TRUE(call.untouched()) << bad.name;
     }
-  }
+  });
 }
 
 // One rank without a gradient, or with another learning rate: every rank fails, none hangs.
 TEST_F(MuonStepBadInput, RanksThatDisagreeAllFail) {
-  for (int p = 2; p <= Harness::get().max_group_size(); ++p) {
-    const Group& group = Harness::get().group(p);
-    if (!group.member) continue;
+  for_each_group(2, [&](const Group& group) {
+    const int p = group.size;
     const std::pair<const char*, void (*)(StepCall&)> cases[] = {
         {"grad absent on one rank", [](StepCall& c) { c.api[1].no_grad = 1; }},
         {"other lr on one rank", [](StepCall& c) { c.groups[0].lr *= 2; }},
@@ -946,7 +931,7 @@ TEST_F(MuonStepBadInput, RanksThatDisagreeAllFail) {
               group.rank == 0 ? SHARDMUON_ERROR_INVALID_ARGUMENT : SHARDMUON_ERROR_PEER_FAILED)
         << shardmuon_last_error();
     EXPECT_TRUE(call.untouched());
-  }
+  });
 }
 
 }  // namespace
