@@ -181,7 +181,9 @@ int MpiCallbacks::all_to_all(void* self, const void* send, const size_t* send_by
 
 // agree_max is the first collective of every call (the library's argument exchange). A rank
 // left waiting in it this long has been left alone: the others returned from a test early
-// after a failure (their output says which), while it went on. The job is aborted with that
+// after a failure that this rank did not see (their output says which), while it went on.
+// (for_each_group keeps ranks in step across groups; a failure on some of a group's ranks,
+// in the middle of its calls, can still leave them apart.) The job is aborted with that
 // message, where a blocking MPI_Allreduce would hang silently.
 constexpr double kAloneSeconds = 120;
 
