@@ -45,9 +45,10 @@ cuda_tests() {
   local name=$1 filter=$2 ranks log rc
   for ranks in 1 $([[ $gpus -ge 2 ]] && echo 2); do
     log="$out/${name}_np$ranks.log"
-    # 400 s: the multi-block case computes a float64 oracle of side 2085 on the CPU.
-    timeout 400 "${mpi[@]}" -np $ranks $build/tests/shardmuon_tests --backend=cuda --gtest_brief=1 \
-      --gtest_filter="$filter" >"$log" 2>&1
+    # The multi-block case computes float64 oracles of side 2085 on the CPU, through OpenBLAS
+    # with the rank's share of the cores (10 s each on one core of the 2-core CI machine).
+    OPENBLAS_NUM_THREADS=$(( $(nproc) / ranks )) timeout 400 "${mpi[@]}" -np $ranks \
+      $build/tests/shardmuon_tests --backend=cuda --gtest_brief=1 --gtest_filter="$filter" >"$log" 2>&1
     rc=$?
     grep -E "^\[rank|Failure|FAILED" "$log" | head -20
     results+=("$name on $ranks GPU(s): rc=$rc $(grep -E 'PASSED|FAILED  \]|SKIPPED \]' "$log" | sed 's/\x1b\[[0-9;]*m//g' | tr '\n' ' ')")
@@ -287,7 +288,8 @@ if [[ "$what" == "torch" ]]; then
 fi
 for ranks in 1 $([[ $gpus -ge 2 ]] && echo 2); do
   log="$out/gpu_tests_np$ranks.log"
-  timeout 400 "${mpi[@]}" -np $ranks $build/tests/shardmuon_tests --backend=cuda --gtest_brief=1 >"$log" 2>&1
+  OPENBLAS_NUM_THREADS=$(( $(nproc) / ranks )) timeout 400 "${mpi[@]}" -np $ranks \
+    $build/tests/shardmuon_tests --backend=cuda --gtest_brief=1 >"$log" 2>&1
   rc=$?
   grep -E "^\[rank|Failure|FAILED" "$log" | head -40
   results+=("cuda tests on $ranks GPU(s): rc=$rc $(grep -E 'PASSED|FAILED  \]|SKIPPED \]' "$log" | sed 's/\x1b\[[0-9;]*m//g' | tr '\n' ' ')")

@@ -1,5 +1,7 @@
 #include "reference.h"
 
+#include <cblas.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -117,13 +119,16 @@ Matrix random_with_singular_values(int64_t rows, int64_t cols, double low, doubl
 }
 
 namespace {
+// a b in float64 through OpenBLAS (a naive loop took about three minutes per oracle of the
+// 2085 x 2301 GPU case); row-major, as Matrix is.
 Matrix multiply(const Matrix& a, const Matrix& b) {
+  if (a.cols != b.rows) throw std::invalid_argument("multiply: inner dimensions differ");
   Matrix c(a.rows, b.cols);
-  for (int64_t i = 0; i < a.rows; ++i)
-    for (int64_t k = 0; k < a.cols; ++k) {
-      const double aik = a.at(i, k);
-      for (int64_t j = 0; j < b.cols; ++j) c.at(i, j) += aik * b.at(k, j);
-    }
+  if (c.rows == 0 || c.cols == 0 || a.cols == 0) return c;
+  cblas_dgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<blasint>(a.rows),
+              static_cast<blasint>(b.cols), static_cast<blasint>(a.cols), 1.0, a.values.data(),
+              static_cast<blasint>(a.cols), b.values.data(), static_cast<blasint>(b.cols), 0.0,
+              c.values.data(), static_cast<blasint>(c.cols));
   return c;
 }
 }  // namespace
