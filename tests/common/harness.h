@@ -106,7 +106,8 @@ class DistributedTest : public ::testing::Test {
 // failed fatally (an ASSERT returns from the body), and if one has, every rank stops there
 // and this returns false. Without that a failed member would leave the test while a rank
 // outside its group went on to the next, larger group and waited in a collective for ranks
-// that were not coming (until the communicator's timeout, minutes later).
+// that were not coming: the library's call until its timeout, the test's own MPI checks
+// after it for ever.
 bool for_each_group(int first_size, const std::function<void(const Group&)>& body);
 
 // sqrt(sum (x - ref)^2 / sum ref^2) over the group's shards.
