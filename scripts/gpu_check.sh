@@ -39,6 +39,18 @@ cmake --build $build --parallel "$(nproc)" -- -k 0 >"$out/build.log" 2>&1 || { g
 echo "build: $(( $(date +%s) - start )) s"
 
 results=()
+# The front end's CPU tests that Debian's PyTorch 1.13 cannot run (DTensor, on gloo processes),
+# with the lent machine's PyTorch 2.x, beside the single-process ones. Its venv may lack
+# pytest: then Debian's (pure Python) can be carried in .deps/pytest_pkgs.
+front_end_pytest() {
+  local pythonpath=${PYTHONPATH:-}
+  if ! python3 -c "import pytest" 2>/dev/null && [[ -d "$root/.deps/pytest_pkgs" ]]; then
+    pythonpath="$root/.deps/pytest_pkgs"
+  fi
+  SHARDMUON_LIBRARY="$root/$build/libshardmuon.so" PYTHONPATH="$pythonpath" timeout 300 \
+    python3 -m pytest -q -p no:cacheprovider python/tests/test_dtensor.py python/tests/test_muon.py \
+    >"$out/pytest_torch2.log" 2>&1
+}
 # The CUDA tests on 1 and (where the machine has them) 2 GPUs, one MPI rank per GPU, with a gtest
 # filter; logs <name>_npN.log.
 cuda_tests() {
@@ -267,6 +279,8 @@ if [[ "$what" == "final" ]]; then
   timeout 90 python3 python/tests/gpu/check_torch_gpu.py >"$out/torch_1.log" 2>&1
   grep -hE "FAIL|torch.optim.Muon" "$out"/torch_*.log | head -12
   results+=("$(grep -h 'torch GPU checks' "$out"/torch_*.log | tr '\n' ' ')")
+  front_end_pytest
+  results+=("front end on this PyTorch: $(tail -1 "$out/pytest_torch2.log")")
   printf '%s\n' "${results[@]}"
   mv "$out/configure.log" "$out/build.log" "$build/" 2>/dev/null
   exit 0
@@ -277,6 +291,8 @@ if [[ "$what" == "torch" ]]; then
   export SHARDMUON_LIBRARY="$root/$build/libshardmuon.so"
   torchrun --nproc_per_node=2 python/tests/gpu/check_torch_gpu.py 2>&1 | tee "$out/torch_gpu_2.log" | grep -E "FAIL|checks|Error" | head -20
   python3 python/tests/gpu/check_torch_gpu.py 2>&1 | tee "$out/torch_gpu_1.log" | grep -E "torch.optim.Muon|checks|Error"
+  front_end_pytest
+  tail -1 "$out/pytest_torch2.log"
   data=()
   if [[ -d "$root/.deps/fortunes" ]]; then data=(--data "$root/.deps/fortunes"); fi
   for tp in 1 2; do
@@ -308,6 +324,8 @@ if command -v compute-sanitizer >/dev/null 2>&1; then
   rc=$?
   results+=("memcheck (1 GPU, subset): rc=$rc $(grep -E 'ERROR SUMMARY' "$log" | tail -1) $(grep -E 'PASSED|FAILED  \]' "$log" | sed 's/\x1b\[[0-9;]*m//g' | tr '\n' ' ')")
 fi
+front_end_pytest
+results+=("front end on this PyTorch: $(tail -1 "$out/pytest_torch2.log")")
 if [[ "$what" == "tests" ]]; then
   printf '%s\n' "${results[@]}"
   exit 0

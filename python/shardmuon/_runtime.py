@@ -34,14 +34,25 @@ class Context:
             self.handle = None
 
 
+class _Local:
+    """The "group" of a matrix this rank holds whole and orthogonalizes on its own (an expert
+    parallelism's experts, or a parameter replicated over a mesh of several dimensions)."""
+
+    def __repr__(self):
+        return "LOCAL"
+
+
+LOCAL = _Local()
+
+
 def group_size(group) -> int:
-    if not (dist.is_available() and dist.is_initialized()):
+    if group is LOCAL or not (dist.is_available() and dist.is_initialized()):
         return 1
     return dist.get_world_size(group)
 
 
 def group_rank(group) -> int:
-    if not (dist.is_available() and dist.is_initialized()):
+    if group is LOCAL or not (dist.is_available() and dist.is_initialized()):
         return 0
     return dist.get_rank(group)
 
@@ -150,15 +161,15 @@ class Communicator:
         if size == 1:
             c.check(c.lib.shardmuon_comm_create_self(ctypes.byref(handle)))
         elif device.type == "cuda":
-            name = backend_name(group)
-            if name != "nccl":
+            name = backend_name(group)  # "nccl", or a per-device list like "cpu:gloo,cuda:nccl"
+            if "nccl" not in name:
                 raise ValueError(
                     f"shardmuon: CUDA parameters need an NCCL process_group, got a {name!r} group")
             pointer = _nccl_comm_pointer(group, device)
             c.check(c.lib.shardmuon_comm_create_nccl(ctypes.c_void_p(pointer), ctypes.byref(handle)))
         else:
             name = backend_name(group)
-            if name != "gloo":
+            if "gloo" not in name:
                 raise ValueError(
                     f"shardmuon: CPU parameters need a gloo process_group, got a {name!r} group")
             self.callbacks = _GlooCallbacks(group)

@@ -13,6 +13,13 @@ Megatron mark tensor-parallel weights; Megatron's ``tensor_model_parallel=False`
 replicated), else from its group's ``partition_dim``: 0 (column-parallel: rows split over the
 group), 1 (row-parallel: columns split), or -1 (replicated). Shards may be uneven; their sizes
 are exchanged once. In a group of one, every parameter is whole.
+
+A DTensor parameter (torchtitan, FSDP2, PyTorch's tensor parallelism) carries its own split:
+its placements say which dim is cut over which mesh dimension, whose process group the step
+then uses (see ``_dtensor``; the ``process_group`` and group ``partition_dim`` options are for
+plain tensors). Its momentum buffer is a DTensor of the same placements, so that
+``torch.distributed.checkpoint`` saves and reshards the state. Parameters over several process
+groups are stepped in one library call per group.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from . import _capi as c
+from ._dtensor import describe, is_dtensor, local_tensor, sharding
 from ._runtime import Communicator, Context, group_rank, group_size, normalize_group
 
 __all__ = ["Muon", "MuonWithAdamW", "NewtonSchulz", "muon_param_groups", "load_resharded_state_dict"]
@@ -55,6 +63,15 @@ def _split_names(params):
             groups.append(group)
         return groups, names
     return unpack(params), names
+
+
+def _all_gather_ints(values: List[int], process_group, device: torch.device) -> List[List[int]]:
+    """Every rank's `values` ([rank][i]), by one all-gather over the group (on the GPU for an
+    NCCL group, whose collectives take CUDA tensors)."""
+    local = torch.tensor(values, dtype=torch.int64, device=device if device.type == "cuda" else "cpu")
+    gathered = [torch.empty_like(local) for _ in range(group_size(process_group))]
+    dist.all_gather(gathered, local, group=process_group)
+    return torch.stack(gathered).cpu().tolist()
 
 
 def _check_hyperparameters(group: Dict[str, Any], where: str) -> None:
@@ -142,7 +159,7 @@ class Muon(torch.optim.Optimizer):
             _check_hyperparameters(group, f"Muon param_groups[{index}]")
         self.process_group = normalize_group(process_group)
         self._contexts: Dict[torch.device, Context] = {}
-        self._comms: Dict[torch.device, Communicator] = {}
+        self._comms: Dict[Any, Communicator] = {}  # by (device, process group)
         self._shard_sizes: Dict[int, List[int]] = {}
 
     # -- helpers ------------------------------------------------------------------------------
@@ -193,27 +210,43 @@ class Muon(torch.optim.Optimizer):
                 "range of the row-major elements, ZeRO style)")
         return None if chosen in (None, -1) else chosen
 
-    def _runtime(self, device: torch.device):
+    def _runtime(self, device: torch.device, process_group):
         if device not in self._contexts:
             self._contexts[device] = Context(device)
-            self._comms[device] = Communicator(self.process_group, device)
-        return self._contexts[device], self._comms[device]
+        key = (device, process_group)
+        if key not in self._comms:
+            self._comms[key] = Communicator(process_group, device)
+        return self._contexts[device], self._comms[key]
 
-    def _gather_shard_sizes(self, entries, device):
+    def _gather_shard_sizes(self, entries, device, process_group):
         """Exchanges the local extents of the sharded parameters not seen before: one
-        collective for all of them, made by every rank in the same order."""
+        collective for all of them, made by every rank of the group in the same order."""
         missing = [e for e in entries if e["dim"] is not None and id(e["param"]) not in self._shard_sizes]
-        if not missing or group_size(self.process_group) == 1:
+        if not missing or group_size(process_group) == 1:
             for e in missing:
                 self._shard_sizes[id(e["param"])] = [e["extent"]]
             return
-        local = torch.tensor([e["extent"] for e in missing], dtype=torch.int64,
-                             device=device if device.type == "cuda" else "cpu")
-        gathered = [torch.empty_like(local) for _ in range(group_size(self.process_group))]
-        dist.all_gather(gathered, local, group=self.process_group)
-        table = torch.stack(gathered).cpu().tolist()  # [rank][parameter]
+        table = _all_gather_ints([e["extent"] for e in missing], process_group, device)
         for column, e in enumerate(missing):
             self._shard_sizes[id(e["param"])] = [row[column] for row in table]
+
+    def _dtensor_entry(self, param, name: str):
+        """Where a DTensor parameter's sharding comes from: its placements (see _dtensor)."""
+        process_group, tensor_dim, experts = sharding(param, name)
+        attribute = getattr(param, "partition_dim", None)
+        if attribute is not None and attribute != (-1 if tensor_dim is None else tensor_dim):
+            raise ValueError(f"{name}: its partition_dim attribute is {attribute!r} but it is a DTensor "
+                             f"with {describe(param)}")
+        local = param.to_local()
+        if param.ndim == 3:  # the library sees this rank's experts stacked: (E rows) x cols
+            shape = (local.shape[0] * local.shape[1], param.shape[2] if tensor_dim == 2 else local.shape[2])
+            dim = None if tensor_dim is None else 1
+        else:
+            shape = tuple(param.shape) if tensor_dim is not None else tuple(local.shape)
+            dim = tensor_dim
+        extent = None if tensor_dim is None else local.shape[tensor_dim]
+        row_blocks = experts if param.ndim == 3 else int(getattr(param, "muon_row_blocks", 1))
+        return process_group, dim, shape, extent, row_blocks
 
     def _collect(self):
         entries = []
@@ -228,7 +261,8 @@ class Muon(torch.optim.Optimizer):
                 if param.dtype not in _DTYPES or (param.dtype == torch.float64 and param.is_cuda):
                     raise TypeError(f"{name}: Muon takes float32 or bfloat16 parameters (float64 on "
                                     f"the CPU), got {param.dtype}")
-                if not param.is_contiguous():
+                local = local_tensor(param)  # what the library reads and writes
+                if not local.is_contiguous():
                     raise ValueError(f"{name}: the parameter is not contiguous")
                 grad = param.grad
                 if grad is not None:
@@ -236,27 +270,61 @@ class Muon(torch.optim.Optimizer):
                         raise TypeError(f"{name}: its gradient is {grad.dtype}, the parameter {param.dtype}")
                     if grad.shape != param.shape:
                         raise ValueError(f"{name}: its gradient has shape {tuple(grad.shape)}")
-                    if grad.device != param.device:
+                    if is_dtensor(param) != is_dtensor(grad) or (
+                            is_dtensor(param) and (grad.placements != param.placements
+                                                   or grad.device_mesh != param.device_mesh)):
+                        raise ValueError(f"{name}: its gradient is "
+                                         f"{describe(grad) if is_dtensor(grad) else 'not a DTensor'}, "
+                                         f"the parameter {describe(param) if is_dtensor(param) else 'not a DTensor'}")
+                    grad = local_tensor(grad)
+                    if grad.shape != local.shape:
+                        raise ValueError(f"{name}: its gradient's local piece has shape {tuple(grad.shape)}, "
+                                         f"the parameter's {tuple(local.shape)}")
+                    if grad.device != local.device:
                         raise ValueError(f"{name}: its gradient is on {grad.device}")
                     if grad.is_sparse or not grad.is_contiguous():
                         raise ValueError(f"{name}: its gradient is not a contiguous dense tensor")
                 # The matrix the library sees, and how many matrices are stacked in its rows:
                 # the experts of a 3D parameter, or a fused weight's parts (muon_row_blocks,
                 # e.g. the heads of QKV or the gate and up halves).
-                dim = self._partition_dim(param, group, name)
-                if param.ndim == 3:
-                    shape, row_blocks = (param.shape[0] * param.shape[1], param.shape[2]), param.shape[0]
-                elif dim == "flat":
-                    shape = tuple(int(x) for x in param.muon_shape)
-                    row_blocks = int(getattr(param, "muon_row_blocks", 1))
+                if is_dtensor(param):
+                    process_group, dim, shape, extent, row_blocks = self._dtensor_entry(param, name)
                 else:
-                    shape, row_blocks = tuple(param.shape), int(getattr(param, "muon_row_blocks", 1))
-                # This rank's extent along the split: rows or columns, or elements when flat.
-                extent = None if dim is None else param.numel() if dim == "flat" else shape[dim]
-                entries.append({"param": param, "grad": grad, "group": group_index, "name": name,
-                                "dim": dim, "shape": shape, "extent": extent,
-                                "row_blocks": row_blocks})
+                    process_group = self.process_group
+                    dim = self._partition_dim(param, group, name)
+                    if param.ndim == 3:
+                        shape, row_blocks = (param.shape[0] * param.shape[1], param.shape[2]), param.shape[0]
+                    elif dim == "flat":
+                        shape = tuple(int(x) for x in param.muon_shape)
+                        row_blocks = int(getattr(param, "muon_row_blocks", 1))
+                    else:
+                        shape, row_blocks = tuple(param.shape), int(getattr(param, "muon_row_blocks", 1))
+                    # This rank's extent along the split: rows or columns, or elements when flat.
+                    extent = None if dim is None else param.numel() if dim == "flat" else shape[dim]
+                entries.append({"param": param, "local": local, "grad": grad, "group": group_index,
+                                "name": name, "process_group": process_group, "dim": dim,
+                                "shape": shape, "extent": extent, "row_blocks": row_blocks})
         return entries
+
+    @staticmethod
+    def _by_process_group(entries):
+        """The entries in one list per process group, in the order the groups first appear (the
+        same on every rank: each rank lists the same parameters): one library call each."""
+        buckets: Dict[Any, list] = {}
+        for e in entries:
+            buckets.setdefault(e["process_group"], []).append(e)
+        return list(buckets.items())
+
+    @staticmethod
+    def _device(entries) -> torch.device:
+        devices = {e["local"].device for e in entries}
+        if len(devices) > 1:
+            by_device = {}
+            for e in entries:
+                by_device.setdefault(e["local"].device, e["name"])
+            listing = "; ".join(f"{name} on {device}" for device, name in by_device.items())
+            raise ValueError(f"Muon: all parameters must be on one device (CPU or one GPU): {listing}")
+        return devices.pop()
 
     def _group_struct(self, group, keepalive, device, index) -> c.MuonGroup:
         s = c.MuonGroup()
@@ -309,14 +377,17 @@ class Muon(torch.optim.Optimizer):
         entries = self._collect()
         if not entries:
             return
-        # keepalive: what params and groups point into, alive until the call returns.
-        context, comm, params, groups, keepalive = self._step_arguments(entries)
-        device = entries[0]["param"].device
+        device = self._device(entries)
         stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
-        status = c.lib.shardmuon_muon_step(context.handle, comm.handle, params, len(entries), groups,
-                                           len(self.param_groups), stream)
-        comm.raise_callback_error()
-        c.check(status)
+        # One call per process group (DTensor parameters may live on several mesh dimensions);
+        # a non-finite gradient skips the parameters of its own call.
+        for process_group, bucket in self._by_process_group(entries):
+            # keepalive: what params and groups point into, alive until the call returns.
+            context, comm, params, groups, keepalive = self._step_arguments(bucket, device, process_group)
+            status = c.lib.shardmuon_muon_step(context.handle, comm.handle, params, len(bucket), groups,
+                                               len(self.param_groups), stream)
+            comm.raise_callback_error()
+            c.check(status)
 
     @torch.no_grad()
     def plan(self) -> Dict[str, Dict[str, Any]]:
@@ -331,35 +402,50 @@ class Muon(torch.optim.Optimizer):
         entries = self._collect()
         if not entries:
             return {}
-        context, comm, params, groups, keepalive = self._step_arguments(entries)
-        algorithms = (ctypes.c_int * len(entries))()
-        owners = (ctypes.c_int * len(entries))()
-        gram = (ctypes.c_int * len(entries))()
-        c.check(c.lib.shardmuon_muon_plan(context.handle, comm.handle, params, len(entries), groups,
-                                          len(self.param_groups), algorithms, owners))
-        c.check(c.lib.shardmuon_muon_plan_gram_iteration(context.handle, comm.handle, params,
-                                                         len(entries), groups, len(self.param_groups),
-                                                         gram))
+        device = self._device(entries)
         names = {code: name for name, code in c.ALGORITHMS.items()}
         names.update(c.PLAN_NAMES)
-        return {e["name"]: {"algorithm": names.get(algorithms[i], str(algorithms[i])),
-                            "owner": owners[i] if owners[i] >= 0 else None,
-                            "gram_iteration": bool(gram[i])}
-                for i, e in enumerate(entries)}
+        result = {}
+        for process_group, bucket in self._by_process_group(entries):
+            context, comm, params, groups, keepalive = self._step_arguments(bucket, device, process_group)
+            algorithms = (ctypes.c_int * len(bucket))()
+            owners = (ctypes.c_int * len(bucket))()
+            gram = (ctypes.c_int * len(bucket))()
+            c.check(c.lib.shardmuon_muon_plan(context.handle, comm.handle, params, len(bucket), groups,
+                                              len(self.param_groups), algorithms, owners))
+            c.check(c.lib.shardmuon_muon_plan_gram_iteration(context.handle, comm.handle, params,
+                                                             len(bucket), groups, len(self.param_groups),
+                                                             gram))
+            # Owners are ranks of the parameter's process group.
+            for i, e in enumerate(bucket):
+                result[e["name"]] = {"algorithm": names.get(algorithms[i], str(algorithms[i])),
+                                     "owner": owners[i] if owners[i] >= 0 else None,
+                                     "gram_iteration": bool(gram[i])}
+        return {e["name"]: result[e["name"]] for e in entries}
 
-    def _step_arguments(self, entries):
-        """The runtime and the C arrays of a step over `entries` (and what must outlive them)."""
-        devices = {e["param"].device for e in entries}
-        if len(devices) > 1:
-            by_device = {}
-            for e in entries:
-                by_device.setdefault(e["param"].device, e["name"])
-            listing = "; ".join(f"{name} on {device}" for device, name in by_device.items())
-            raise ValueError(f"Muon: all parameters must be on one device (CPU or one GPU): {listing}")
-        device = devices.pop()
-        context, comm = self._runtime(device)
-        self._gather_shard_sizes(entries, device)
-        rank = group_rank(self.process_group)
+    def _momentum(self, param, local, name: str) -> torch.Tensor:
+        """This rank's momentum buffer of a parameter (created as zeros on its first step; a
+        DTensor parameter's is a DTensor of the same placements), checked against the parameter:
+        the library writes through its pointer, so a loaded state of another shape must fail here."""
+        state = self.state[param]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(param, memory_format=torch.contiguous_format)
+        momentum = local_tensor(state["momentum_buffer"])
+        if (not torch.is_tensor(momentum) or momentum.shape != local.shape or momentum.dtype != local.dtype
+                or momentum.device != local.device or not momentum.is_contiguous()):
+            got = (f"{tuple(momentum.shape)} {momentum.dtype} on {momentum.device}, contiguous: "
+                   f"{momentum.is_contiguous()}" if torch.is_tensor(momentum) else type(momentum).__name__)
+            raise ValueError(f"{name}: its state's momentum_buffer must be a contiguous "
+                             f"{tuple(local.shape)} {local.dtype} tensor on {local.device} (this rank's "
+                             f"piece), got {got}")
+        return momentum
+
+    def _step_arguments(self, entries, device, process_group):
+        """The runtime and the C arrays of a step over `entries`, all over `process_group` (and
+        what must outlive them)."""
+        context, comm = self._runtime(device, process_group)
+        self._gather_shard_sizes(entries, device, process_group)
+        rank = group_rank(process_group)
 
         keepalive = []
         groups = (c.MuonGroup * len(self.param_groups))()
@@ -370,30 +456,30 @@ class Muon(torch.optim.Optimizer):
                 c.check(c.lib.shardmuon_muon_group_default(ctypes.byref(groups[index])))
         params = (c.MuonParam * len(entries))()
         for i, e in enumerate(entries):
-            param, grad = e["param"], e["grad"]
+            param, local, grad = e["param"], e["local"], e["grad"]
             p = params[i]
-            p.param = param.data_ptr() or None
+            p.param = local.data_ptr() or None
             p.dtype = _DTYPES[param.dtype]
             p.group = e["group"]
             if grad is None:
                 p.no_grad = 1
             else:
-                state = self.state[param]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(param, memory_format=torch.contiguous_format)
                 p.grad = grad.data_ptr() or None
-                p.momentum = state["momentum_buffer"].data_ptr() or None
+                p.momentum = self._momentum(param, local, e["name"]).data_ptr() or None
             rows, cols = e["shape"]
             p.row_blocks = e["row_blocks"]
-            if e["dim"] is None or group_size(self.process_group) == 1:
-                if param.numel() != rows * cols:  # a flat shard on one rank is the whole matrix
-                    raise ValueError(f"{e['name']}: holds {param.numel()} elements, not the "
+            if e["dim"] is None or group_size(process_group) == 1:
+                if local.numel() != rows * cols:  # a flat shard on one rank is the whole matrix
+                    raise ValueError(f"{e['name']}: holds {local.numel()} elements, not the "
                                      f"{rows} x {cols} of its muon_shape")
                 p.layout = c.Layout(rows, cols, c.REPLICATED, 1, None)
             else:
                 sizes = self._shard_sizes[id(param)]
                 if sizes[rank] != e["extent"]:
                     raise ValueError(f"{e['name']}: its shard changed size since the first step")
+                if is_dtensor(param) and sum(sizes) != e["shape"][e["dim"]]:
+                    raise ValueError(f"{e['name']}: its ranks' pieces are {sizes} along the split, "
+                                     f"{sum(sizes)} in all, not its global {e['shape'][e['dim']]}")
                 array = (ctypes.c_int64 * len(sizes))(*sizes)
                 keepalive.append(array)
                 if e["dim"] == "flat":
@@ -492,6 +578,10 @@ def load_resharded_state_dict(optimizer: Muon, state_dicts: Sequence[Dict[str, A
     entries = []
     for group_index, group in enumerate(optimizer.param_groups):
         for index, param in enumerate(group["params"]):
+            if is_dtensor(param):
+                raise ValueError(f"load_resharded_state_dict: {optimizer._name(param, group_index, index)} "
+                                 "is a DTensor: its optimizer state is DTensors too, which "
+                                 "torch.distributed.checkpoint saves and reshards")
             attribute = getattr(param, "partition_dim", None)
             if getattr(param, "tensor_model_parallel", None) is False:
                 attribute = -1
@@ -502,7 +592,8 @@ def load_resharded_state_dict(optimizer: Muon, state_dicts: Sequence[Dict[str, A
             entries.append({"param": param, "dim": dim, "shape": tuple(param.shape),
                             "extent": None if dim is None else param.shape[dim]})
     device = next((e["param"].device for e in entries), torch.device("cpu"))
-    optimizer._gather_shard_sizes([e for e in entries if e["dim"] is not None], device)
+    optimizer._gather_shard_sizes([e for e in entries if e["dim"] is not None], device,
+                                  optimizer.process_group)
     rank = group_rank(optimizer.process_group)
     result = {"state": {}, "param_groups": state_dicts[0]["param_groups"]}
     for index, entry in enumerate(entries):
@@ -533,6 +624,9 @@ class NewtonSchulz:
     Frobenius norm, then ``ns_steps`` iterations). Collective over ``process_group`` when the
     matrix is sharded (``partition_dim`` 0 or 1, ``shard_sizes`` every rank's extent along it,
     default: even); ``partition_dim=None`` means every rank holds the whole matrix.
+
+    ``ns(dtensor)`` takes a 2D DTensor instead: its placements give the split and the process
+    group (its mesh dimension's), and each call exchanges the pieces' extents over that group.
     """
 
     def __init__(self, process_group=None, *, ns_steps: int = 5, coefficient_type: str = "quintic",
@@ -549,7 +643,8 @@ class NewtonSchulz:
         self._options.schedule = c.SCHEDULES[coefficient_type]
         self._options.eps = float(eps)
         self._options.algorithm = c.ALGORITHMS[algorithm]
-        self._runtimes = {}
+        self._contexts: Dict[torch.device, Context] = {}
+        self._comms: Dict[Any, Communicator] = {}  # by (device, process group)
 
     def coefficients(self):
         """The (a, b, c) of every iteration."""
@@ -561,9 +656,9 @@ class NewtonSchulz:
             result.append(tuple(x.value for x in abc))
         return result
 
-    def _layout(self, shape, partition_dim, shard_sizes, keepalive):
+    def _layout(self, shape, partition_dim, shard_sizes, keepalive, process_group):
         rows, cols = (int(x) for x in shape)
-        size = group_size(self.process_group)
+        size = group_size(process_group)
         if partition_dim not in (0, 1, None, "flat"):
             raise ValueError(f"shardmuon: partition_dim must be 0, 1, \"flat\" or None, got "
                              f"{partition_dim!r}")
@@ -580,7 +675,7 @@ class NewtonSchulz:
     def plan(self, shape, partition_dim=None, shard_sizes=None) -> str:
         """The algorithm a call with these arguments runs (no communication)."""
         keepalive = []
-        layout = self._layout(shape, partition_dim, shard_sizes, keepalive)
+        layout = self._layout(shape, partition_dim, shard_sizes, keepalive, self.process_group)
         chosen = ctypes.c_int()
         c.check(c.lib.shardmuon_ns_plan(ctypes.byref(layout), group_size(self.process_group),
                                         ctypes.byref(self._options), ctypes.byref(chosen)))
@@ -591,7 +686,7 @@ class NewtonSchulz:
         under algorithm="gram_newton_schulz"; under "auto" where the cost model finds it
         cheaper) rather than the standard iteration (no communication)."""
         keepalive = []
-        layout = self._layout(shape, partition_dim, shard_sizes, keepalive)
+        layout = self._layout(shape, partition_dim, shard_sizes, keepalive, self.process_group)
         chosen = ctypes.c_int()
         c.check(c.lib.shardmuon_ns_plan_gram_iteration(
             ctypes.byref(layout), group_size(self.process_group), ctypes.byref(self._options),
@@ -601,32 +696,62 @@ class NewtonSchulz:
     def estimate_seconds(self, shape, partition_dim=None, shard_sizes=None) -> float:
         """The planner's cost-model estimate for that call (bf16 on H200-class GPUs)."""
         keepalive = []
-        layout = self._layout(shape, partition_dim, shard_sizes, keepalive)
+        layout = self._layout(shape, partition_dim, shard_sizes, keepalive, self.process_group)
         seconds = ctypes.c_double()
         c.check(c.lib.shardmuon_ns_estimate(ctypes.byref(layout), group_size(self.process_group),
                                             ctypes.byref(self._options), ctypes.byref(seconds)))
         return seconds.value
 
     @torch.no_grad()
-    def __call__(self, shard: torch.Tensor, shape, partition_dim=None, shard_sizes=None) -> torch.Tensor:
+    def __call__(self, shard: torch.Tensor, shape=None, partition_dim=None, shard_sizes=None) -> torch.Tensor:
+        if is_dtensor(shard):
+            return self._orthogonalize_dtensor(shard, shape, partition_dim, shard_sizes)
+        if shape is None:
+            raise ValueError("shardmuon: give the whole matrix's shape (rows, cols)")
+        return self._orthogonalize(shard, shape, partition_dim, shard_sizes, self.process_group)
+
+    def _orthogonalize_dtensor(self, dtensor, shape, partition_dim, shard_sizes):
+        if dtensor.ndim != 2:
+            raise ValueError(f"shardmuon: NewtonSchulz takes a 2D DTensor, got shape {tuple(dtensor.shape)}")
+        if partition_dim is not None or shard_sizes is not None:
+            raise ValueError("shardmuon: a DTensor's placements give its split: leave partition_dim "
+                             f"and shard_sizes out (got {partition_dim!r}, {shard_sizes!r})")
+        if shape is not None and tuple(shape) != tuple(dtensor.shape):
+            raise ValueError(f"shardmuon: shape {tuple(shape)} is not the DTensor's {tuple(dtensor.shape)}")
+        process_group, dim, _ = sharding(dtensor, "shardmuon: NewtonSchulz's DTensor")
+        local = dtensor.to_local()
+        sizes = None
+        if dim is not None:
+            sizes = [row[0] for row in _all_gather_ints([local.shape[dim]], process_group, local.device)]
+            if sum(sizes) != dtensor.shape[dim]:
+                raise ValueError(f"shardmuon: the DTensor's pieces are {sizes} along dim {dim}, "
+                                 f"{sum(sizes)} in all, not its global {dtensor.shape[dim]}")
+        whole_shape = tuple(dtensor.shape) if dim is not None else tuple(local.shape)
+        self._orthogonalize(local, whole_shape, dim, sizes, process_group)
+        return dtensor
+
+    def _orthogonalize(self, shard, shape, partition_dim, shard_sizes, process_group):
         if shard.dtype not in _DTYPES or not shard.is_contiguous():
             raise ValueError(f"shardmuon: the shard must be a contiguous float32, bfloat16 or float64 "
                              f"tensor, got {shard.dtype} (contiguous: {shard.is_contiguous()})")
-        if shard.device not in self._runtimes:
-            self._runtimes[shard.device] = (Context(shard.device), Communicator(self.process_group, shard.device))
-        context, comm = self._runtimes[shard.device]
+        if shard.device not in self._contexts:  # one context (and workspace) per device
+            self._contexts[shard.device] = Context(shard.device)
+        key = (shard.device, process_group)
+        if key not in self._comms:
+            self._comms[key] = Communicator(process_group, shard.device)
+        context, comm = self._contexts[shard.device], self._comms[key]
         keepalive = []
-        layout = self._layout(shape, partition_dim, shard_sizes, keepalive)
+        layout = self._layout(shape, partition_dim, shard_sizes, keepalive, process_group)
         # The library sees a pointer only: the shard's extent is checked here.
         expected = [layout.rows, layout.cols]
         if layout.partition != c.REPLICATED:
             dim = 0 if layout.partition == c.SHARDED_DIM0 else 1
-            if layout.num_shards != group_size(self.process_group):
+            if layout.num_shards != group_size(process_group):
                 raise ValueError(f"shardmuon: shard_sizes has {layout.num_shards} entries for a group of "
-                                 f"{group_size(self.process_group)} ranks")
-            expected[dim] = layout.shard_sizes[group_rank(self.process_group)]
+                                 f"{group_size(process_group)} ranks")
+            expected[dim] = layout.shard_sizes[group_rank(process_group)]
             if layout.partition == c.SHARDED_FLAT:  # a range of the row-major elements
-                expected = [layout.shard_sizes[group_rank(self.process_group)]]
+                expected = [layout.shard_sizes[group_rank(process_group)]]
         if list(shard.shape) != expected:
             raise ValueError(f"shardmuon: this rank's shard of the {layout.rows} x {layout.cols} matrix "
                              f"must be {' x '.join(map(str, expected))}, got {tuple(shard.shape)}")

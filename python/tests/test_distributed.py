@@ -3,66 +3,23 @@ empty shards, against the float64 reference on the whole matrices; collective sk
 mismatch that fails on every rank; and loading a state saved under another group size."""
 
 import os
-import socket
 import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import reference
 import shardmuon
 import shardmuon.torch as st
+from processes import launch, shard_of, split
 
 LEARNING_RATES = [0.02, 0.05, 0.01]
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch(function, world, *args):
-    port = free_port()
-    mp.spawn(_entry, args=(world, port, function, args), nprocs=world, join=True)
-
-
-def _entry(rank, world, port, function, args):
-    import faulthandler
-    faulthandler.enable()  # a native abort prints where Python was
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        function(rank, world, *args)
-    except BaseException:
-        # Report this rank's failure before the others notice the process group go away.
-        import traceback
-        traceback.print_exc()
-        raise
-    dist.destroy_process_group()
-
-
-def split(total, weights):
-    """Shard sizes proportional to weights (zeros allowed), summing to total."""
-    sizes = [total * w // sum(weights) for w in weights]
-    sizes[-1] += total - sum(sizes)
-    return sizes
-
-
 WEIGHTS = {1: [1], 2: [2, 1], 3: [3, 0, 2], 4: [1, 3, 0, 2]}
 # (rows, cols, partition_dim, dtype): both dims, wide and tall, float64 and float32 and bf16.
 PARAMETERS = [(37, 53, 0, torch.float64), (53, 37, 1, torch.float64), (29, 41, 1, torch.float32),
               (44, 18, 0, torch.bfloat16), (16, 16, -1, torch.float64)]
 TOLERANCE = {torch.float64: 1e-11, torch.float32: 2e-5, torch.bfloat16: 3e-2}
-
-
-def shard_of(whole, dim, sizes, rank):
-    if dim == -1:
-        return whole.clone()
-    start = sum(sizes[:rank])
-    return whole.narrow(dim, start, sizes[rank]).clone()
 
 
 def _sharded_steps(rank, world, skip_last, algorithm="auto"):

@@ -1,5 +1,6 @@
 """shardmuon.torch.Muon on one process (CPU) against the float64 reference step."""
 
+import copy
 import itertools
 
 import pytest
@@ -87,7 +88,8 @@ def test_state_dict_round_trip_continues_exactly():
     for step in range(2):
         a.grad, b.grad = grads[step]
         optimizer.step()
-    saved = optimizer.state_dict()
+    # As if from a file: PyTorch 2.x's load_state_dict keeps the tensors it is given.
+    saved = copy.deepcopy(optimizer.state_dict())
     a2, b2 = torch.nn.Parameter(a.detach().clone()), torch.nn.Parameter(b.detach().clone())
     resumed = st.Muon([{"params": [a2]}, {"params": [b2]}], lr=0.5)
     resumed.load_state_dict(saved)
@@ -99,6 +101,24 @@ def test_state_dict_round_trip_continues_exactly():
         resumed.step()
     assert torch.equal(a, a2) and torch.equal(b, b2)
     assert torch.equal(optimizer.state[a]["momentum_buffer"], resumed.state[a2]["momentum_buffer"])
+
+
+def test_a_loaded_momentum_of_another_shape_is_refused_before_the_step():
+    """The library writes the momentum through its pointer: a state saved for another shape
+    (another model, another shard) must fail with the parameter's name, touching nothing."""
+    weight = torch.nn.Parameter(torch.randn(6, 4, dtype=torch.float64))
+    weight.grad = torch.randn(6, 4, dtype=torch.float64)
+    optimizer = st.Muon([("layer.weight", weight)], lr=0.02)
+    optimizer.step()
+    saved = optimizer.state_dict()
+    saved["state"][0]["momentum_buffer"] = torch.zeros(3, 4, dtype=torch.float64)
+    optimizer.load_state_dict(saved)
+    before = weight.detach().clone()
+    with pytest.raises(ValueError, match=r"layer\.weight.*momentum_buffer must be a contiguous "
+                                         r"\(6, 4\) torch\.float64 tensor.*got \(3, 4\)"):
+        optimizer.step()
+    assert torch.equal(weight.detach(), before)
+    assert optimizer.state[weight]["momentum_buffer"].shape == (3, 4)
 
 
 def test_lr_scheduler_drives_the_learning_rate():
@@ -183,11 +203,18 @@ def test_bad_inputs_name_the_parameter():
     with pytest.raises(ValueError, match=r"layer\.bias.*2D parameters"):
         st.Muon([("layer.bias", bias)]).step()
 
-    # A gradient of another dtype than its parameter: PyTorch refuses the assignment itself,
-    # so such a pair reaches Muon only through parameters of different dtypes in one model.
+    # A gradient of another dtype than its parameter: PyTorch refuses the assignment itself
+    # (1.13: "different type"; 2.11: "grad_dtype"), unless the tensor allows gradients of any
+    # dtype (grad_dtype = None, PyTorch 2.10 and later): then Muon refuses it.
     weight = torch.nn.Parameter(torch.randn(6, 4))
-    with pytest.raises(RuntimeError, match="different type"):
+    with pytest.raises(RuntimeError, match="different type|grad_dtype"):
         weight.grad = torch.randn(6, 4, dtype=torch.float64)
+    if hasattr(weight, "grad_dtype"):
+        weight.grad_dtype = None
+        weight.grad = torch.randn(6, 4, dtype=torch.float64)
+        with pytest.raises(TypeError, match=r"its gradient is torch\.float64, the parameter torch\.float32"):
+            st.Muon([weight]).step()
+        weight.grad = None
 
     strided = torch.nn.Parameter(torch.randn(4, 6).t())
     strided.grad = torch.randn(6, 4)

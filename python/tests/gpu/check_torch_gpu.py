@@ -6,8 +6,10 @@
 On 2 GPUs: every sharding mode (rows, columns, uneven, replicated) and dtype for 3 steps with
 the learning rate changed every step, against the float64 reference on the whole matrices;
 a parameter without gradient; the errors for a CPU/CUDA mix and for a gloo group.
-On 1 GPU: against torch.optim.Muon where the settings coincide. Prints one line per check
-and a summary; exits 1 if any failed.
+On 1 GPU: against torch.optim.Muon where the settings coincide. On both: DTensor parameters
+and NewtonSchulz on a DTensor, on a CUDA device mesh of every rank (rows and columns split by
+DTensor's own chunking, and replicated), against the reference. Prints one line per check and
+a summary; exits 1 if any failed.
 """
 
 import math
@@ -158,6 +160,48 @@ def sharded_checks(rank, world, device):
         record("gloo group with CUDA tensors raises", "NCCL" in str(error), f"({error})")
 
 
+def dtensor_checks(rank, world, device):
+    """DTensor parameters on a 1D CUDA mesh over NCCL (on one GPU, a mesh of one rank)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cuda", (world,))
+    tolerance = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
+    lrs = [0.02, 0.05, 0.01]
+    cases = [((257, 131), Shard(0), torch.bfloat16), ((131, 257), Shard(1), torch.float32),
+             ((384, 1152), Shard(1), torch.bfloat16), ((96, 64), Replicate(), torch.float32)]
+    params, wholes = [], []
+    for i, (shape, placement, dtype) in enumerate(cases):
+        generator = torch.Generator().manual_seed(500 + i)
+        whole = (0.05 * torch.randn(*shape, generator=generator, dtype=torch.float64)).to(dtype)
+        grads = [torch.randn(*shape, generator=generator, dtype=torch.float64).to(dtype) for _ in lrs]
+        params.append(torch.nn.Parameter(distribute_tensor(whole.to(device), mesh, [placement])))
+        wholes.append((whole, grads))
+    optimizer = st.Muon(params, lr=lrs[0], weight_decay=0.1)
+    for step, lr in enumerate(lrs):
+        optimizer.param_groups[0]["lr"] = lr
+        for p, (_, grads) in zip(params, wholes):
+            p.grad = distribute_tensor(grads[step].to(device), mesh, p.placements)
+        optimizer.step()
+    for p, (shape, placement, dtype), (whole, grads) in zip(params, cases, wholes):
+        w_ref, m_ref = whole.double(), torch.zeros(shape, dtype=torch.float64)
+        for step, lr in enumerate(lrs):
+            w_ref, m_ref = reference.muon_step(w_ref, grads[step], m_ref, lr=lr, weight_decay=0.1)
+        error = reference.relative_error(p.full_tensor().cpu(), w_ref)
+        record(f"DTensor {shape[0]}x{shape[1]} {placement} {str(dtype)[6:]} on {world} GPU(s), rank 0's "
+               f"piece {tuple(p.to_local().shape)}", error < tolerance[dtype],
+               f"error {error:.2e} (tolerance {tolerance[dtype]:.0e})")
+    ns = st.NewtonSchulz()
+    generator = torch.Generator().manual_seed(600)
+    whole = torch.randn(333, 1000, generator=generator, dtype=torch.float64)
+    x = distribute_tensor(whole.float().to(device), mesh, [Shard(1)])
+    ns(x)
+    expected = reference.newton_schulz(whole, reference.coefficients("quintic", 5), 1e-7)
+    error = reference.relative_error(x.full_tensor().cpu(), expected)
+    record(f"NewtonSchulz of a 333x1000 float32 DTensor Shard(1) on {world} GPU(s)", error < 2e-5,
+           f"error {error:.2e}")
+
+
 def single_gpu_checks(device):
     """Against torch.optim.Muon where the settings coincide: its defaults' Newton-Schulz
     (3.4445, -4.7750, 2.0315) x 5 is our 'simple' schedule, its adjust_lr_fn=None ('original':
@@ -206,8 +250,12 @@ def main():
         torch.cuda.set_device(local)
         dist.init_process_group("nccl")
         sharded_checks(dist.get_rank(), dist.get_world_size(), torch.device("cuda", local))
+        dtensor_checks(dist.get_rank(), dist.get_world_size(), torch.device("cuda", local))
     else:
         single_gpu_checks(torch.device("cuda", 0))
+        torch.cuda.set_device(0)
+        dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29533", rank=0, world_size=1)
+        dtensor_checks(0, 1, torch.device("cuda", 0))
     ok = all(results)
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(f"torch GPU checks: {sum(results)} passed, {len(results) - sum(results)} failed", flush=True)

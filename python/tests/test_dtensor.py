@@ -1,0 +1,234 @@
+"""DTensor parameters (torchtitan, FSDP2 and PyTorch tensor parallelism) on several CPU
+processes (gloo): on 1D meshes (rows or columns split, by DTensor's own chunking with empty
+pieces, or uneven pieces given with from_local) and on a 2 x 2 mesh (a split over one mesh
+dimension, expert parallelism, replication), every step against the float64 reference on the
+whole matrices; the placements refused with an error on every rank; the state dict; and
+NewtonSchulz on a DTensor.
+
+Needs PyTorch 2.1 or later (DTensor); Debian's PyTorch 1.13 skips this file, so these tests
+run on the lent GPU machine's PyTorch (docs/GPU_RUNS.md)."""
+
+import copy
+import inspect
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import reference
+import shardmuon.torch as st
+from processes import launch, shard_of, split
+from shardmuon import _dtensor
+
+pytestmark = pytest.mark.skipif(_dtensor.DTensor is None, reason="this PyTorch has no DTensor")
+
+if _dtensor.DTensor is not None:
+    from torch.distributed.device_mesh import init_device_mesh
+    try:
+        from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+    except ImportError:
+        from torch.distributed._tensor import DTensor, Replicate, Shard, distribute_tensor
+
+LEARNING_RATES = [0.02, 0.05, 0.01]
+TOLERANCE = {torch.float64: 1e-11, torch.float32: 2e-5, torch.bfloat16: 3e-2}
+
+
+def distribute(whole, mesh, placements):
+    """DTensor's own cut of a whole tensor that every rank holds (no scatter where the
+    PyTorch can skip it). Of a copy: without the scatter, a replicated DTensor's piece is the
+    whole tensor itself, which the step would then update under the reference's feet."""
+    if "src_data_rank" in inspect.signature(distribute_tensor).parameters:
+        return distribute_tensor(whole.clone(), mesh, placements, src_data_rank=None)
+    return distribute_tensor(whole.clone(), mesh, placements)
+
+
+def from_pieces(whole, mesh, dim, sizes, rank):
+    """A DTensor split along dim into pieces of the given sizes (uneven, maybe empty)."""
+    return DTensor.from_local(shard_of(whole, dim, sizes, rank), mesh, [Shard(dim)], run_check=False,
+                              shape=whole.shape, stride=whole.stride())
+
+
+def random_matrices(seed, shape, dtype, count):
+    generator = torch.Generator().manual_seed(seed)
+    weight = (0.05 * torch.randn(*shape, generator=generator, dtype=torch.float64)).to(dtype)
+    grads = [torch.randn(*shape, generator=generator, dtype=torch.float64).to(dtype) for _ in range(count)]
+    return weight, grads
+
+
+def reference_steps(weight, grads):
+    """The float64 reference after len(grads) steps, expert by expert for a 3D weight."""
+    if weight.ndim == 3:
+        return torch.stack([reference_steps(weight[e], [g[e] for g in grads]) for e in range(weight.shape[0])])
+    w, m = weight.double(), torch.zeros_like(weight, dtype=torch.float64)
+    for lr, g in zip(LEARNING_RATES, grads):
+        w, m = reference.muon_step(w, g, m, lr=lr, weight_decay=0.1)
+    return w
+
+
+def run_steps(optimizer, params, grads_of):
+    """Three steps with the learning rate changed every step; grads_of(i, step) is a DTensor."""
+    for step, lr in enumerate(LEARNING_RATES):
+        optimizer.param_groups[0]["lr"] = lr
+        for i, p in enumerate(params):
+            p.grad = grads_of(i, step)
+        optimizer.step()
+
+
+def check_pieces(params, cut_reference, dtypes, rank):
+    for i, p in enumerate(params):
+        expected = cut_reference(i)
+        local = p.to_local()
+        assert local.shape == expected.shape, (rank, i, local.shape, expected.shape)
+        if expected.numel() == 0:
+            continue
+        error = reference.relative_error(local, expected)
+        assert error < TOLERANCE[dtypes[i]], (rank, i, error)
+
+
+# (rows, cols, placement, dtype, pieces): pieces None means DTensor's own chunking (5 rows
+# over 4 ranks: 2, 2, 1 and an empty piece); else uneven weights for from_local.
+ONE_DIM = [(37, 53, 0, torch.float64, None), (53, 37, 1, torch.float64, None),
+           (29, 41, 1, torch.float32, None), (44, 18, 0, torch.bfloat16, None),
+           (16, 16, -1, torch.float64, None), (5, 12, 0, torch.float64, None),
+           (30, 24, 0, torch.float64, {2: [2, 1], 3: [3, 0, 2], 4: [1, 3, 0, 2]})]
+
+
+def _one_dim_mesh(rank, world):
+    mesh = init_device_mesh("cpu", (world,))
+    wholes, params, grads = [], [], []
+    for i, (rows, cols, dim, dtype, pieces) in enumerate(ONE_DIM):
+        weight, g = random_matrices(100 + i, (rows, cols), dtype, len(LEARNING_RATES))
+        if pieces is None:
+            placements = [Replicate() if dim == -1 else Shard(dim)]
+            cut = lambda t, placements=placements: distribute(t, mesh, placements)  # noqa: E731
+        else:
+            sizes = split(rows if dim == 0 else cols, pieces[world])
+            cut = lambda t, dim=dim, sizes=sizes: from_pieces(t, mesh, dim, sizes, rank)  # noqa: E731
+        params.append(torch.nn.Parameter(cut(weight)))
+        grads.append([cut(x) for x in g])
+        wholes.append((weight, g, cut))
+    optimizer = st.Muon(params, lr=LEARNING_RATES[0], weight_decay=0.1)
+    plan = optimizer.plan()
+    assert len(plan) == len(params)
+    run_steps(optimizer, params, lambda i, step: grads[i][step])
+    for p in params:  # the momentum is a DTensor like its parameter (for DCP)
+        momentum = optimizer.state[p]["momentum_buffer"]
+        assert isinstance(momentum, DTensor) and momentum.placements == p.placements
+    check_pieces(params, lambda i: wholes[i][2](reference_steps(*wholes[i][:2])).to_local(),
+                 [x[3] for x in ONE_DIM], rank)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_one_dim_mesh_matches_the_whole_matrix_reference(world):
+    launch(_one_dim_mesh, world)
+
+
+# On a 2 x 2 mesh ("dp", "tp"): (shape, placements).
+TWO_DIM = [((40, 33), ("R", "S0")),     # rows over tp
+           ((27, 50), ("S1", "R")),     # columns over dp
+           ((20, 12), ("R", "R")),      # each rank on its own
+           ((4, 9, 14), ("S0", "S2")),  # experts over dp, their columns over tp
+           ((6, 10, 7), ("S0", "R")),   # expert parallelism: whole experts
+           ((3, 8, 11), ("R", "R"))]
+
+
+def placements_of(codes):
+    return [Replicate() if code == "R" else Shard(int(code[1])) for code in codes]
+
+
+def _two_dim_mesh(rank, world):
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    wholes, params, grads = [], [], []
+    for i, (shape, codes) in enumerate(TWO_DIM):
+        weight, g = random_matrices(200 + i, shape, torch.float64, len(LEARNING_RATES))
+        placements = placements_of(codes)
+        params.append(torch.nn.Parameter(distribute(weight, mesh, placements)))
+        grads.append([distribute(x, mesh, placements) for x in g])
+        wholes.append((weight, g, placements))
+    optimizer = st.Muon(params, lr=LEARNING_RATES[0], weight_decay=0.1)
+    run_steps(optimizer, params, lambda i, step: grads[i][step])
+    expected = [distribute(reference_steps(weight, g), mesh, placements).to_local()
+                for weight, g, placements in wholes]
+    check_pieces(params, expected.__getitem__, [torch.float64] * len(params), rank)
+
+
+def test_two_dim_mesh_matches_the_whole_matrix_reference():
+    launch(_two_dim_mesh, 4)
+
+
+def _refused(rank, world):
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)  # the same whole tensors on every rank
+    rows_over_tp = placements_of(["R", "S0"])
+    good = torch.nn.Parameter(distribute(torch.randn(8, 6, dtype=torch.float64), mesh, rows_over_tp))
+    cases = [((8, 6), ["S0", "S1"], "split along one dim over one mesh dimension"),
+             ((4, 8, 6), ["R", "S1"], "Shard\\(0\\) experts, and Shard\\(2\\) columns")]
+    for shape, codes, message in cases:
+        placements = placements_of(codes)
+        bad = torch.nn.Parameter(distribute(torch.randn(*shape, dtype=torch.float64), mesh, placements))
+        bad.grad = distribute(torch.randn(*shape, dtype=torch.float64), mesh, placements)
+        good.grad = distribute(torch.randn(8, 6, dtype=torch.float64), mesh, rows_over_tp)
+        optimizer = st.Muon([good, ("layer.bad", bad)], lr=0.02)
+        before = good.to_local().clone()
+        with pytest.raises(ValueError, match=f"layer\\.bad.*placements.*{message}"):
+            optimizer.step()
+        assert torch.equal(good.to_local(), before)  # nothing stepped
+    # A gradient placed otherwise than its parameter.
+    good.grad = distribute(torch.randn(8, 6, dtype=torch.float64), mesh, placements_of(["S0", "R"]))
+    with pytest.raises(ValueError, match="its gradient is placements"):
+        st.Muon([good], lr=0.02).step()
+    # After the errors, a good step goes through.
+    good.grad = distribute(torch.randn(8, 6, dtype=torch.float64), mesh, rows_over_tp)
+    before = good.to_local().clone()
+    st.Muon([good], lr=0.02).step()
+    assert not torch.equal(good.to_local(), before)
+
+
+def test_placements_it_cannot_take_fail_on_every_rank():
+    launch(_refused, 4)
+
+
+def _state_dict(rank, world):
+    mesh = init_device_mesh("cpu", (world,))
+    weight, g = random_matrices(300, (23, 31), torch.float64, 4)
+    a = torch.nn.Parameter(distribute(weight, mesh, [Shard(1)]))
+    optimizer = st.Muon([a], lr=0.02)
+    for step in range(2):
+        a.grad = distribute(g[step], mesh, [Shard(1)])
+        optimizer.step()
+    saved = copy.deepcopy(optimizer.state_dict())  # as if from a file: no tensor shared
+    assert isinstance(saved["state"][0]["momentum_buffer"], DTensor)
+    b = torch.nn.Parameter(DTensor.from_local(a.to_local().clone(), mesh, [Shard(1)], run_check=False,
+                                              shape=a.shape, stride=a.stride()))
+    resumed = st.Muon([b], lr=0.5)
+    resumed.load_state_dict(saved)
+    for step in range(2, 4):
+        a.grad = distribute(g[step], mesh, [Shard(1)])
+        b.grad = distribute(g[step], mesh, [Shard(1)])
+        optimizer.step()
+        resumed.step()
+    assert torch.equal(a.to_local(), b.to_local())
+
+
+def test_state_dict_round_trip_continues_exactly():
+    launch(_state_dict, 2)
+
+
+def _newton_schulz(rank, world):
+    mesh = init_device_mesh("cpu", (world,))
+    ns = st.NewtonSchulz()
+    triples = reference.coefficients("quintic", 5)
+    for i, (shape, placements) in enumerate([((37, 53), [Shard(0)]), ((53, 37), [Shard(1)]),
+                                             ((20, 30), [Replicate()])]):
+        whole, _ = random_matrices(400 + i, shape, torch.float64, 0)
+        x = distribute(whole, mesh, placements)
+        assert ns(x) is x
+        expected = distribute(reference.newton_schulz(whole, triples, 1e-7), mesh, placements).to_local()
+        assert reference.relative_error(x.to_local(), expected) < 1e-11, (rank, i)
+    with pytest.raises(ValueError, match="placements give its split"):
+        ns(x, partition_dim=0)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_newton_schulz_takes_a_dtensor(world):
+    launch(_newton_schulz, world)
