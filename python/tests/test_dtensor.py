@@ -232,3 +232,87 @@ def _newton_schulz(rank, world):
 @pytest.mark.parametrize("world", [2, 3])
 def test_newton_schulz_takes_a_dtensor(world):
     launch(_newton_schulz, world)
+
+
+def _distributed_checkpoint(rank, world, directory):
+    """The optimizer state through torch.distributed.checkpoint, as torchtitan saves it: saved
+    with the rows split, loaded with the columns split (DCP reshards the DTensor momentum),
+    then a step continues as if uninterrupted."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    mesh = init_device_mesh("cpu", (world,))
+    weight, g = random_matrices(700, (26, 19), torch.float64, 3)
+
+    def model_of(whole, placement):
+        model = torch.nn.Linear(19, 26, bias=False, dtype=torch.float64)
+        model.weight = torch.nn.Parameter(distribute(whole, mesh, [placement]))
+        return model
+
+    saver = model_of(weight, Shard(0))
+    optimizer = st.Muon(saver.parameters(), lr=0.02)
+    for step in range(2):
+        saver.weight.grad = distribute(g[step], mesh, [Shard(0)])
+        optimizer.step()
+    dcp.save(get_optimizer_state_dict(saver, optimizer), checkpoint_id=directory)
+
+    loader = model_of(saver.weight.detach().full_tensor(), Shard(1))
+    resumed = st.Muon(loader.parameters(), lr=0.02)
+    state = get_optimizer_state_dict(loader, resumed)  # PyTorch creates the state by a step at lr 0
+    dcp.load(state, checkpoint_id=directory)
+    set_optimizer_state_dict(loader, resumed, state)
+    momentum = resumed.state[loader.weight]["momentum_buffer"]
+    assert momentum.placements == (Shard(1),)
+    assert torch.equal(momentum.full_tensor(), optimizer.state[saver.weight]["momentum_buffer"].full_tensor())
+
+    saver.weight.grad = distribute(g[2], mesh, [Shard(0)])
+    loader.weight.grad = distribute(g[2], mesh, [Shard(1)])
+    optimizer.step()
+    resumed.step()
+    error = reference.relative_error(loader.weight.full_tensor(), saver.weight.full_tensor())
+    assert error < 1e-12, (rank, error)
+
+
+def test_torch_distributed_checkpoint_reshards_the_state(tmp_path):
+    launch(_distributed_checkpoint, 2, str(tmp_path))
+
+
+def _fsdp2(rank, world):
+    """A model sharded by FSDP2 (fully_shard: every weight a Shard(0) DTensor over the mesh,
+    gradients reduce-scattered by FSDP) trains with Muon like the whole model on the whole
+    batch."""
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:
+        from torch.distributed._composable.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)  # the same initial weights on every rank
+    model = torch.nn.Sequential(torch.nn.Linear(13, 37, bias=False), torch.nn.Tanh(),
+                                torch.nn.Linear(37, 11, bias=False)).double()
+    whole_model = copy.deepcopy(model)
+    fully_shard(model, mesh=mesh)
+    optimizer = st.Muon(model.parameters(), lr=0.02, weight_decay=0.1)
+    references = [(p.detach().clone(), torch.zeros_like(p)) for p in whole_model.parameters()]
+    generator = torch.Generator().manual_seed(1)
+    for step in range(2):
+        batches = [torch.randn(8, 13, generator=generator, dtype=torch.float64) for _ in range(world)]
+        model(batches[rank]).square().mean().backward()  # FSDP averages the ranks' gradients
+        optimizer.step()
+        optimizer.zero_grad()
+        whole_model.zero_grad()
+        (sum(whole_model(x).square().mean() for x in batches) / world).backward()
+        references = [reference.muon_step(w, p.grad, m, lr=0.02, weight_decay=0.1)
+                      for (w, m), p in zip(references, whole_model.parameters())]
+        with torch.no_grad():  # the whole model's next forward uses the reference's weights
+            for p, (w, _) in zip(whole_model.parameters(), references):
+                p.copy_(w)
+    for p, (w, _) in zip(model.parameters(), references):
+        assert isinstance(p, DTensor) and p.placements == (Shard(0),)
+        error = reference.relative_error(p.full_tensor(), w)
+        assert error < 1e-11, (rank, tuple(p.shape), error)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_model_sharded_by_fsdp2_trains_like_the_whole_model(world):
+    launch(_fsdp2, world)
