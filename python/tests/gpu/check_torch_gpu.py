@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 sys.path[:0] = [os.path.join(os.path.dirname(__file__), ".."), os.path.join(os.path.dirname(__file__), "..", "..")]
 import reference  # noqa: E402
+from processes import shard_of, split  # noqa: E402
 import shardmuon  # noqa: E402
 import shardmuon.torch as st  # noqa: E402
 
@@ -31,18 +32,6 @@ def record(name, ok, detail=""):
     results.append(ok)
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(f"{'PASS' if ok else 'FAIL'} {name} {detail}", flush=True)
-
-
-def split(total, weights):
-    sizes = [total * w // sum(weights) for w in weights]
-    sizes[-1] += total - sum(sizes)
-    return sizes
-
-
-def shard_of(whole, dim, sizes, rank):
-    if dim == -1:
-        return whole.clone()
-    return whole.narrow(dim, sum(sizes[:rank]), sizes[rank]).clone()
 
 
 def sharded_checks(rank, world, device):
