@@ -19,7 +19,9 @@ its placements say which dim is cut over which mesh dimension, whose process gro
 then uses (see ``_dtensor``; the ``process_group`` and group ``partition_dim`` options are for
 plain tensors). Its momentum buffer is a DTensor of the same placements, so that
 ``torch.distributed.checkpoint`` saves and reshards the state. Parameters over several process
-groups are stepped in one library call per group.
+groups are stepped in one library call per group: the arguments of all of them are checked
+before the first, but an error the library finds in one group's call (ranks that disagree, a
+timeout) leaves the parameters of the groups before it stepped.
 """
 
 from __future__ import annotations
@@ -380,11 +382,13 @@ class Muon(torch.optim.Optimizer):
         device = self._device(entries)
         stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
         # One call per process group (DTensor parameters may live on several mesh dimensions);
-        # a non-finite gradient skips the parameters of its own call.
-        for process_group, bucket in self._by_process_group(entries):
-            # keepalive: what params and groups point into, alive until the call returns.
-            context, comm, params, groups, keepalive = self._step_arguments(bucket, device, process_group)
-            status = c.lib.shardmuon_muon_step(context.handle, comm.handle, params, len(bucket), groups,
+        # a non-finite gradient skips the parameters of its own call. Every call's arguments
+        # are built and checked before the first call, so that an error found here steps none.
+        # keepalive: what params and groups point into, alive until the calls return.
+        calls = [(len(bucket), *self._step_arguments(bucket, device, process_group))
+                 for process_group, bucket in self._by_process_group(entries)]
+        for count, context, comm, params, groups, keepalive in calls:
+            status = c.lib.shardmuon_muon_step(context.handle, comm.handle, params, count, groups,
                                                len(self.param_groups), stream)
             comm.raise_callback_error()
             c.check(status)

@@ -173,6 +173,18 @@ def _refused(rank, world):
         with pytest.raises(ValueError, match=f"layer\\.bad.*placements.*{message}"):
             optimizer.step()
         assert torch.equal(good.to_local(), before)  # nothing stepped
+    # A loaded momentum of another shape, on a parameter of the step's second call (its
+    # columns are split over dp, the first call's rows over tp): neither call is made.
+    columns_over_dp = placements_of(["S1", "R"])
+    other = torch.nn.Parameter(distribute(torch.randn(6, 10, dtype=torch.float64), mesh, columns_over_dp))
+    other.grad = distribute(torch.randn(6, 10, dtype=torch.float64), mesh, columns_over_dp)
+    good.grad = distribute(torch.randn(8, 6, dtype=torch.float64), mesh, rows_over_tp)
+    optimizer = st.Muon([good, ("layer.other", other)], lr=0.02)
+    optimizer.state[other]["momentum_buffer"] = torch.zeros(3, 10, dtype=torch.float64)
+    before = good.to_local().clone()
+    with pytest.raises(ValueError, match=r"layer\.other.*momentum_buffer must be"):
+        optimizer.step()
+    assert torch.equal(good.to_local(), before)
     # A gradient placed otherwise than its parameter.
     good.grad = distribute(torch.randn(8, 6, dtype=torch.float64), mesh, placements_of(["S0", "R"]))
     with pytest.raises(ValueError, match="its gradient is placements"):
