@@ -398,7 +398,8 @@ class Muon(torch.optim.Optimizer):
         """How the next step() would orthogonalize each Muon parameter, without taking it: by
         parameter name, {"algorithm": "local", "duplicated", "gram_allreduce",
         "gram_allreduce_redistributed" or "owner", "owner": the rank that orthogonalizes it
-        under "owner" (else None), "gram_iteration": whether it runs Gram Newton-Schulz ((e))}.
+        under "owner" (else None; a rank of the parameter's process group, a DTensor's mesh
+        dimension's), "gram_iteration": whether it runs Gram Newton-Schulz ((e))}.
         It depends on which parameters have gradients, as the step does (one without takes no
         part in the owners). Like step(), the first call exchanges the shard sizes over the
         process group (every rank must call it) and creates the momentum buffers of the
