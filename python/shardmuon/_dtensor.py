@@ -12,25 +12,27 @@ The library takes a matrix split along one dim over one process group, so:
   rank then holds whole experts and orthogonalizes its own; besides that, ``Shard(2)`` on one
   mesh dimension splits every expert's columns over its group;
 * with no split at all, a parameter on a 1D mesh is replicated over the mesh's group (so that
-  owners can share the work), and on a larger mesh each rank orthogonalizes it on its own.
+  owners can share the work), and on a larger mesh each rank orthogonalizes it on its own;
+* a split over several mesh dimensions (FSDP2 with tensor parallelism: ``(Shard(0),
+  Shard(1))``, or a strided shard) is first gathered over all but one of them (see
+  ``sharding``).
 
-Splits over two mesh dimensions at once (FSDP2 with tensor parallelism: ``(Shard(0),
-Shard(1))`` or a strided shard), and ``Partial`` placements, are refused with an error.
+``Partial`` placements are refused with an error.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional
 
 from ._runtime import LOCAL, normalize_group
 
 try:  # public since PyTorch 2.4; torch.distributed._tensor before that (2.1-2.3)
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 except ImportError:  # pragma: no cover - depends on the installed PyTorch
     try:
-        from torch.distributed._tensor import DTensor, Shard
+        from torch.distributed._tensor import DTensor, Replicate, Shard
     except ImportError:
-        DTensor = Shard = None
+        DTensor = Replicate = Shard = None
 
 
 def is_dtensor(tensor) -> bool:
@@ -46,43 +48,76 @@ def describe(tensor) -> str:
     return f"placements {tuple(tensor.placements)} on {tensor.device_mesh}"
 
 
-def sharding(tensor, name: str) -> Tuple[object, Optional[int], int]:
-    """(process group, split dim, local experts) of a 2D or 3D DTensor parameter.
+class Sharding(NamedTuple):
+    """How the library sees a DTensor parameter (see ``sharding``)."""
 
-    The group is the process group the matrix is split over (None: the world; ``LOCAL``: this
-    rank alone); the split dim is the *tensor's* dim cut over that group (0 or 1 for a 2D
-    parameter, 2 for a 3D one) or None when the group holds the whole matrix; local experts is
-    how many experts of a 3D parameter this rank holds (1 for a 2D parameter)."""
+    process_group: object  # None: the world; LOCAL: this rank alone
+    dim: Optional[int]  # the tensor's dim cut over the group, or None: the group holds it whole
+    experts: int  # experts of a 3D parameter on this rank (1 for a 2D parameter)
+    regroup: Optional[tuple]  # placements to redistribute it to first, or None
+
+
+def sharding(tensor, name: str) -> Sharding:
+    """How the library sees a 2D or 3D DTensor parameter.
+
+    The library takes a matrix cut along one dim over one process group. One plain ``Shard``
+    on a dim it can take (rows or columns; a 3D stack's columns) is used as it is; a stack's
+    ``Shard(0)`` leaves whole experts on each rank. Any other cut (a second split mesh
+    dimension, a strided shard, a stack's rows) is gathered first: ``regroup`` then gives the
+    placements to redistribute to, which keep the cut over the largest mesh dimension. That
+    costs an all-gather over the gathered mesh dimensions, and their ranks then orthogonalize
+    the same matrix, each one over the kept dimension's group."""
     if tensor.ndim not in (2, 3):
         raise ValueError(f"{name}: a DTensor Muon parameter is 2D or 3D (experts x rows x cols), "
                          f"got {tensor.ndim}D")
     mesh = tensor.device_mesh
-    splits = []  # (mesh dim, tensor dim) of the cuts that span more than one rank
+    allowed = (0, 1) if tensor.ndim == 2 else (2,)
+    usable = []  # (mesh dim, tensor dim) of plain cuts the library can take as they are
+    gathered = []  # mesh dims of the cuts it cannot
     experts_split = False
     for mesh_dim, placement in enumerate(tensor.placements):
-        if placement.is_replicate():
-            continue
-        if not placement.is_shard() or type(placement) is not Shard:
+        if placement.is_replicate() or mesh.size(mesh_dim) == 1:
+            continue  # a whole extent
+        if not placement.is_shard():
             raise ValueError(f"{name}: {describe(tensor)}: mesh dimension {mesh_dim} has {placement}; "
-                             "shardmuon takes Shard(dim) and Replicate() placements (reduce a "
-                             "Partial gradient first; a strided shard is not a contiguous piece)")
-        if mesh.size(mesh_dim) == 1:
-            continue  # one piece: the whole extent
+                             "shardmuon takes Shard and Replicate placements (reduce a Partial "
+                             "gradient first)")
         dim = placement.dim % tensor.ndim
         if tensor.ndim == 3 and dim == 0:
             experts_split = True  # expert parallelism: whole experts on each rank
+        elif type(placement) is Shard and dim in allowed:
+            usable.append((mesh_dim, dim))
         else:
-            splits.append((mesh_dim, dim))
-    allowed = (0, 1) if tensor.ndim == 2 else (2,)
-    if len(splits) > 1 or any(dim not in allowed for _, dim in splits):
-        takes = "rows or columns" if tensor.ndim == 2 else "Shard(0) experts, and Shard(2) columns"
-        raise ValueError(f"{name}: {describe(tensor)}: shardmuon orthogonalizes a matrix split along "
-                         f"one dim over one mesh dimension ({takes}); redistribute it, or shard it "
-                         "over one mesh dimension")
+            gathered.append(mesh_dim)
+    kept = max(usable, key=lambda cut: (mesh.size(cut[0]), cut[0]), default=None)
+    gathered += [cut[0] for cut in usable if cut != kept]
+    regroup = None
+    if gathered:
+        placements = list(tensor.placements)
+        for mesh_dim in gathered:
+            placements[mesh_dim] = Replicate()
+        regroup = tuple(placements)
     experts = tensor.to_local().shape[0] if tensor.ndim == 3 else 1
-    if splits:
-        mesh_dim, dim = splits[0]
-        return normalize_group(mesh.get_group(mesh_dim)), dim, experts
+    if kept is not None:
+        return Sharding(normalize_group(mesh.get_group(kept[0])), kept[1], experts, regroup)
     if mesh.ndim == 1 and not experts_split:
-        return normalize_group(mesh.get_group(0)), None, experts
-    return LOCAL, None, experts
+        return Sharding(normalize_group(mesh.get_group(0)), None, experts, regroup)
+    return Sharding(LOCAL, None, experts, regroup)
+
+
+def redistributed(tensor, placements):
+    """A copy of a DTensor under other placements, its local piece contiguous (the library
+    takes dense row-major pieces)."""
+    copy = tensor.redistribute(device_mesh=tensor.device_mesh, placements=placements)
+    local = copy.to_local()
+    if local.is_contiguous():
+        return copy
+    return DTensor.from_local(local.contiguous(), tensor.device_mesh, placements, run_check=False,
+                              shape=tensor.shape, stride=tensor.stride())
+
+
+def write_into(destination, source) -> None:
+    """Copies a DTensor's values into another of the same shape under the destination's own
+    placements (from a gathered copy back to a split: each rank keeps its piece)."""
+    back = source.redistribute(device_mesh=destination.device_mesh, placements=destination.placements)
+    destination.to_local().copy_(back.to_local())

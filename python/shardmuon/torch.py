@@ -27,6 +27,7 @@ timeout) leaves the parameters of the groups before it stepped.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import math
 from typing import Any, Dict, Iterable, List, Optional, Sequence
 
@@ -34,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from . import _capi as c
-from ._dtensor import describe, is_dtensor, local_tensor, sharding
+from ._dtensor import describe, is_dtensor, local_tensor, redistributed, sharding, write_into
 from ._runtime import Communicator, Context, group_rank, group_size, normalize_group
 
 __all__ = ["Muon", "MuonWithAdamW", "NewtonSchulz", "muon_param_groups", "load_resharded_state_dict"]
@@ -232,14 +233,19 @@ class Muon(torch.optim.Optimizer):
         for column, e in enumerate(missing):
             self._shard_sizes[id(e["param"])] = [row[column] for row in table]
 
-    def _dtensor_entry(self, param, name: str):
-        """Where a DTensor parameter's sharding comes from: its placements (see _dtensor)."""
-        process_group, tensor_dim, experts = sharding(param, name)
+    def _dtensor_entry(self, param, name: str, local=None):
+        """Where a DTensor parameter's sharding comes from: its placements (see _dtensor).
+        `local`: the piece the library will see, when not the parameter's own (a regrouped
+        copy)."""
+        how = sharding(param, name)
+        process_group, tensor_dim, experts = how.process_group, how.dim, how.experts
         attribute = getattr(param, "partition_dim", None)
-        if attribute is not None and attribute != (-1 if tensor_dim is None else tensor_dim):
+        declared = -1 if tensor_dim is None else tensor_dim
+        if how.regroup is None and attribute is not None and attribute != declared:
             raise ValueError(f"{name}: its partition_dim attribute is {attribute!r} but it is a DTensor "
                              f"with {describe(param)}")
-        local = param.to_local()
+        if local is None:
+            local = param.to_local()
         if param.ndim == 3:  # the library sees this rank's experts stacked: (E rows) x cols
             shape = (local.shape[0] * local.shape[1], param.shape[2] if tensor_dim == 2 else local.shape[2])
             dim = None if tensor_dim is None else 1
@@ -248,7 +254,49 @@ class Muon(torch.optim.Optimizer):
             dim = tensor_dim
         extent = None if tensor_dim is None else local.shape[tensor_dim]
         row_blocks = experts if param.ndim == 3 else int(getattr(param, "muon_row_blocks", 1))
-        return process_group, dim, shape, extent, row_blocks
+        return process_group, dim, shape, extent, row_blocks, how.regroup
+
+    def _regrouped_momentum(self, e):
+        """The momentum buffer of a regrouped parameter (created as zeros on its first step),
+        checked: a DTensor of the parameter's shape and placements."""
+        param, name = e["param"], e["name"]
+        state = self.state[param]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(param)
+        momentum = state["momentum_buffer"]
+        if (not is_dtensor(momentum) or momentum.shape != param.shape or momentum.placements != param.placements
+                or momentum.dtype != param.dtype):
+            got = describe(momentum) if is_dtensor(momentum) else f"not a DTensor: {type(momentum).__name__}"
+            raise ValueError(f"{name}: its state's momentum_buffer must be a {param.dtype} DTensor of the "
+                             f"parameter's shape {tuple(param.shape)} and {describe(param)}, got {got}")
+        return momentum
+
+    def _regrouped(self, e):
+        """A DTensor parameter whose split the library cannot take as it is (over several mesh
+        dimensions, say), redistributed with its gradient and momentum to placements it can
+        take (see _dtensor.sharding): the entry of those copies, and a function that writes
+        the stepped copies back into the parameter and its momentum."""
+        param, target, name = e["param"], e["regroup"], e["name"]
+        param_copy = redistributed(param, target)
+        grad_copy = momentum = momentum_copy = None
+        if e["grad"] is not None:
+            momentum = self._regrouped_momentum(e)
+            grad_copy = redistributed(param.grad, target)
+            momentum_copy = redistributed(momentum, target)
+        local = param_copy.to_local()
+        process_group, dim, shape, extent, row_blocks, _ = self._dtensor_entry(param, name, local)
+        entry = dict(e, local=local, grad=None if grad_copy is None else grad_copy.to_local(),
+                     process_group=process_group, dim=dim, shape=shape, extent=extent,
+                     row_blocks=row_blocks)
+        if momentum_copy is not None:
+            entry["momentum"] = momentum_copy.to_local()
+
+        def write_back():
+            write_into(param, param_copy)
+            if momentum is not None:
+                write_into(momentum, momentum_copy)
+
+        return entry, write_back
 
     def _collect(self):
         entries = []
@@ -289,8 +337,9 @@ class Muon(torch.optim.Optimizer):
                 # The matrix the library sees, and how many matrices are stacked in its rows:
                 # the experts of a 3D parameter, or a fused weight's parts (muon_row_blocks,
                 # e.g. the heads of QKV or the gate and up halves).
+                regroup = None
                 if is_dtensor(param):
-                    process_group, dim, shape, extent, row_blocks = self._dtensor_entry(param, name)
+                    process_group, dim, shape, extent, row_blocks, regroup = self._dtensor_entry(param, name)
                 else:
                     process_group = self.process_group
                     dim = self._partition_dim(param, group, name)
@@ -305,17 +354,35 @@ class Muon(torch.optim.Optimizer):
                     extent = None if dim is None else param.numel() if dim == "flat" else shape[dim]
                 entries.append({"param": param, "local": local, "grad": grad, "group": group_index,
                                 "name": name, "process_group": process_group, "dim": dim,
-                                "shape": shape, "extent": extent, "row_blocks": row_blocks})
+                                "shape": shape, "extent": extent, "row_blocks": row_blocks,
+                                "regroup": regroup})
         return entries
 
-    @staticmethod
-    def _by_process_group(entries):
-        """The entries in one list per process group, in the order the groups first appear (the
-        same on every rank: each rank lists the same parameters): one library call each."""
+    def _calls(self, entries, device):
+        """The library calls of a step over `entries`, in the same order on every rank (each
+        rank lists the same parameters): (entries, step arguments, write_back). One call per
+        process group of the parameters the library takes as they are, in the order the groups
+        first appear, their arguments built and checked here, before any call; then one per
+        regrouped parameter, whose copies are made just before its own call (they live only
+        for it; the redistribution is a collective) and whose write_back() puts the results in
+        place. Its momentum buffer is checked here too."""
         buckets: Dict[Any, list] = {}
         for e in entries:
-            buckets.setdefault(e["process_group"], []).append(e)
-        return list(buckets.items())
+            if e["regroup"] is None:
+                buckets.setdefault(e["process_group"], []).append(e)
+        ready = [(bucket, self._step_arguments(bucket, device, process_group), None)
+                 for process_group, bucket in buckets.items()]
+        regrouped = [e for e in entries if e["regroup"] is not None]
+        for e in regrouped:
+            if e["grad"] is not None:
+                self._regrouped_momentum(e)
+
+        def later():
+            for e in regrouped:
+                entry, write_back = self._regrouped(e)
+                yield [entry], self._step_arguments([entry], device, entry["process_group"]), write_back
+
+        return itertools.chain(ready, later())
 
     @staticmethod
     def _device(entries) -> torch.device:
@@ -382,16 +449,18 @@ class Muon(torch.optim.Optimizer):
         device = self._device(entries)
         stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
         # One call per process group (DTensor parameters may live on several mesh dimensions);
-        # a non-finite gradient skips the parameters of its own call. Every call's arguments
-        # are built and checked before the first call, so that an error found here steps none.
-        # keepalive: what params and groups point into, alive until the calls return.
-        calls = [(len(bucket), *self._step_arguments(bucket, device, process_group))
-                 for process_group, bucket in self._by_process_group(entries)]
-        for count, context, comm, params, groups, keepalive in calls:
-            status = c.lib.shardmuon_muon_step(context.handle, comm.handle, params, count, groups,
+        # a non-finite gradient skips the parameters of its own call. The calls' arguments are
+        # built and checked before the first call, so that an error found here steps none;
+        # a regrouped parameter's copies are made just before its own call (see _calls).
+        for bucket, arguments, write_back in self._calls(entries, device):
+            # keepalive: what params and groups point into, alive until the call returns.
+            context, comm, params, groups, keepalive = arguments
+            status = c.lib.shardmuon_muon_step(context.handle, comm.handle, params, len(bucket), groups,
                                                len(self.param_groups), stream)
             comm.raise_callback_error()
             c.check(status)
+            if write_back is not None:
+                write_back()
 
     @torch.no_grad()
     def plan(self) -> Dict[str, Dict[str, Any]]:
@@ -411,8 +480,8 @@ class Muon(torch.optim.Optimizer):
         names = {code: name for name, code in c.ALGORITHMS.items()}
         names.update(c.PLAN_NAMES)
         result = {}
-        for process_group, bucket in self._by_process_group(entries):
-            context, comm, params, groups, keepalive = self._step_arguments(bucket, device, process_group)
+        for bucket, arguments, _ in self._calls(entries, device):
+            context, comm, params, groups, keepalive = arguments
             algorithms = (ctypes.c_int * len(bucket))()
             owners = (ctypes.c_int * len(bucket))()
             gram = (ctypes.c_int * len(bucket))()
@@ -470,7 +539,8 @@ class Muon(torch.optim.Optimizer):
                 p.no_grad = 1
             else:
                 p.grad = grad.data_ptr() or None
-                p.momentum = self._momentum(param, local, e["name"]).data_ptr() or None
+                momentum = e["momentum"] if "momentum" in e else self._momentum(param, local, e["name"])
+                p.momentum = momentum.data_ptr() or None
             rows, cols = e["shape"]
             p.row_blocks = e["row_blocks"]
             if e["dim"] is None or group_size(process_group) == 1:
@@ -723,8 +793,11 @@ class NewtonSchulz:
                              f"and shard_sizes out (got {partition_dim!r}, {shard_sizes!r})")
         if shape is not None and tuple(shape) != tuple(dtensor.shape):
             raise ValueError(f"shardmuon: shape {tuple(shape)} is not the DTensor's {tuple(dtensor.shape)}")
-        process_group, dim, _ = sharding(dtensor, "shardmuon: NewtonSchulz's DTensor")
-        local = dtensor.to_local()
+        how = sharding(dtensor, "shardmuon: NewtonSchulz's DTensor")
+        process_group, dim = how.process_group, how.dim
+        # A split the library cannot take as it is is gathered over all but one mesh dimension.
+        piece = dtensor if how.regroup is None else redistributed(dtensor, how.regroup)
+        local = piece.to_local()
         sizes = None
         if dim is not None:
             sizes = [row[0] for row in _all_gather_ints([local.shape[dim]], process_group, local.device)]
@@ -733,6 +806,8 @@ class NewtonSchulz:
                                  f"{sum(sizes)} in all, not its global {dtensor.shape[dim]}")
         whole_shape = tuple(dtensor.shape) if dim is not None else tuple(local.shape)
         self._orthogonalize(local, whole_shape, dim, sizes, process_group)
+        if piece is not dtensor:
+            write_into(dtensor, piece)
         return dtensor
 
     def _orthogonalize(self, shard, shape, partition_dim, shard_sizes, process_group):

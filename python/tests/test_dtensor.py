@@ -25,9 +25,9 @@ pytestmark = pytest.mark.skipif(_dtensor.DTensor is None, reason="this PyTorch h
 if _dtensor.DTensor is not None:
     from torch.distributed.device_mesh import init_device_mesh
     try:
-        from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+        from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
     except ImportError:
-        from torch.distributed._tensor import DTensor, Replicate, Shard, distribute_tensor
+        from torch.distributed._tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 LEARNING_RATES = [0.02, 0.05, 0.01]
 TOLERANCE = {torch.float64: 1e-11, torch.float32: 2e-5, torch.bfloat16: 3e-2}
@@ -129,7 +129,13 @@ TWO_DIM = [((40, 33), ("R", "S0")),     # rows over tp
            ((20, 12), ("R", "R")),      # each rank on its own
            ((4, 9, 14), ("S0", "S2")),  # experts over dp, their columns over tp
            ((6, 10, 7), ("S0", "R")),   # expert parallelism: whole experts
-           ((3, 8, 11), ("R", "R"))]
+           ((3, 8, 11), ("R", "R")),
+           # Splits the library cannot take as they are: gathered over dp first.
+           ((41, 35), ("S0", "S1")),    # FSDP2's rows with tensor-parallel columns
+           ((35, 41), ("S1", "S0")),
+           ((45, 20), ("S0", "S0")),    # rows cut over dp, then each piece over tp
+           ((2, 9, 14), ("R", "S1")),   # every expert's rows
+           ((4, 10, 13), ("S2", "S2"))]
 
 
 def placements_of(codes):
@@ -146,6 +152,7 @@ def _two_dim_mesh(rank, world):
         grads.append([distribute(x, mesh, placements) for x in g])
         wholes.append((weight, g, placements))
     optimizer = st.Muon(params, lr=LEARNING_RATES[0], weight_decay=0.1)
+    assert len(optimizer.plan()) == len(params)
     run_steps(optimizer, params, lambda i, step: grads[i][step])
     expected = [distribute(reference_steps(weight, g), mesh, placements).to_local()
                 for weight, g, placements in wholes]
@@ -161,18 +168,17 @@ def _refused(rank, world):
     torch.manual_seed(0)  # the same whole tensors on every rank
     rows_over_tp = placements_of(["R", "S0"])
     good = torch.nn.Parameter(distribute(torch.randn(8, 6, dtype=torch.float64), mesh, rows_over_tp))
-    cases = [((8, 6), ["S0", "S1"], "split along one dim over one mesh dimension"),
-             ((4, 8, 6), ["R", "S1"], "Shard\\(0\\) experts, and Shard\\(2\\) columns")]
-    for shape, codes, message in cases:
-        placements = placements_of(codes)
-        bad = torch.nn.Parameter(distribute(torch.randn(*shape, dtype=torch.float64), mesh, placements))
-        bad.grad = distribute(torch.randn(*shape, dtype=torch.float64), mesh, placements)
-        good.grad = distribute(torch.randn(8, 6, dtype=torch.float64), mesh, rows_over_tp)
-        optimizer = st.Muon([good, ("layer.bad", bad)], lr=0.02)
-        before = good.to_local().clone()
-        with pytest.raises(ValueError, match=f"layer\\.bad.*placements.*{message}"):
-            optimizer.step()
-        assert torch.equal(good.to_local(), before)  # nothing stepped
+    # A parameter holding a partial sum (one addend per tp rank).
+    partial = torch.nn.Parameter(DTensor.from_local(torch.randn(8, 6, dtype=torch.float64), mesh,
+                                                    [Replicate(), Partial()], run_check=False))
+    partial.grad = DTensor.from_local(torch.randn(8, 6, dtype=torch.float64), mesh, [Replicate(), Partial()],
+                                      run_check=False)
+    good.grad = distribute(torch.randn(8, 6, dtype=torch.float64), mesh, rows_over_tp)
+    optimizer = st.Muon([good, ("layer.partial", partial)], lr=0.02)
+    before = good.to_local().clone()
+    with pytest.raises(ValueError, match="layer\\.partial.*placements.*mesh dimension 1 has P.*Partial"):
+        optimizer.step()
+    assert torch.equal(good.to_local(), before)  # nothing stepped
     # A loaded momentum of another shape, on a parameter of the step's second call (its
     # columns are split over dp, the first call's rows over tp): neither call is made.
     columns_over_dp = placements_of(["S1", "R"])
@@ -183,6 +189,17 @@ def _refused(rank, world):
     optimizer.state[other]["momentum_buffer"] = torch.zeros(3, 10, dtype=torch.float64)
     before = good.to_local().clone()
     with pytest.raises(ValueError, match=r"layer\.other.*momentum_buffer must be"):
+        optimizer.step()
+    assert torch.equal(good.to_local(), before)
+    # The same for a parameter split over both mesh dimensions (regrouped), its momentum a
+    # plain tensor: refused before the first call.
+    split_twice = placements_of(["S0", "S1"])
+    both = torch.nn.Parameter(distribute(torch.randn(8, 10, dtype=torch.float64), mesh, split_twice))
+    both.grad = distribute(torch.randn(8, 10, dtype=torch.float64), mesh, split_twice)
+    good.grad = distribute(torch.randn(8, 6, dtype=torch.float64), mesh, rows_over_tp)
+    optimizer = st.Muon([good, ("layer.both", both)], lr=0.02)
+    optimizer.state[both]["momentum_buffer"] = torch.zeros(4, 5, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"layer\.both.*momentum_buffer must be a torch\.float64 DTensor"):
         optimizer.step()
     assert torch.equal(good.to_local(), before)
     # A gradient placed otherwise than its parameter.
@@ -239,9 +256,16 @@ def _newton_schulz(rank, world):
         assert reference.relative_error(x.to_local(), expected) < 1e-11, (rank, i)
     with pytest.raises(ValueError, match="placements give its split"):
         ns(x, partition_dim=0)
+    if world == 4:  # a split over two mesh dimensions is gathered over one of them first
+        square = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        whole, _ = random_matrices(450, (29, 38), torch.float64, 0)
+        x = distribute(whole, square, [Shard(0), Shard(1)])
+        ns(x)
+        expected = distribute(reference.newton_schulz(whole, triples, 1e-7), square, [Shard(0), Shard(1)])
+        assert reference.relative_error(x.to_local(), expected.to_local()) < 1e-11, rank
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, 3, 4])
 def test_newton_schulz_takes_a_dtensor(world):
     launch(_newton_schulz, world)
 
@@ -328,3 +352,49 @@ def _fsdp2(rank, world):
 @pytest.mark.parametrize("world", [2, 3])
 def test_a_model_sharded_by_fsdp2_trains_like_the_whole_model(world):
     launch(_fsdp2, world)
+
+
+def _fsdp2_with_tensor_parallelism(rank, world):
+    """torchtitan's 2D parallelism: tensor parallelism (a column-parallel then a row-parallel
+    layer) on the mesh's "tp" dimension, FSDP2 on its "dp" dimension. The weights are then
+    split over both (a strided shard and Shard(0) for the first, Shard(0) and Shard(1) for the
+    second): Muon gathers them over dp and orthogonalizes over tp, and trains like the whole
+    model on the whole batch."""
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:
+        from torch.distributed._composable.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)  # the same initial weights on every rank
+    model = torch.nn.Sequential(torch.nn.Linear(13, 37, bias=False), torch.nn.Tanh(),
+                                torch.nn.Linear(37, 11, bias=False)).double()
+    whole_model = copy.deepcopy(model)
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    fully_shard(model, mesh=mesh["dp"])
+    for p in model.parameters():
+        assert len(p.placements) == 2 and all(x.is_shard() for x in p.placements), p.placements
+    optimizer = st.Muon(model.parameters(), lr=0.02, weight_decay=0.1)
+    references = [(p.detach().clone(), torch.zeros_like(p)) for p in whole_model.parameters()]
+    generator = torch.Generator().manual_seed(1)
+    dp_rank = mesh["dp"].get_local_rank()
+    for step in range(2):
+        batches = [torch.randn(8, 13, generator=generator, dtype=torch.float64) for _ in range(2)]
+        model(batches[dp_rank]).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        whole_model.zero_grad()
+        (sum(whole_model(x).square().mean() for x in batches) / 2).backward()
+        references = [reference.muon_step(w, p.grad, m, lr=0.02, weight_decay=0.1)
+                      for (w, m), p in zip(references, whole_model.parameters())]
+        with torch.no_grad():
+            for p, (w, _) in zip(whole_model.parameters(), references):
+                p.copy_(w)
+    for p, (w, _) in zip(model.parameters(), references):
+        error = reference.relative_error(p.full_tensor(), w)
+        assert error < 1e-11, (rank, tuple(p.shape), p.placements, error)
+
+
+def test_fsdp2_with_tensor_parallelism_trains_like_the_whole_model():
+    launch(_fsdp2_with_tensor_parallelism, 4)
