@@ -78,7 +78,9 @@ def sharding(tensor, name: str) -> Sharding:
     for mesh_dim, placement in enumerate(tensor.placements):
         if placement.is_replicate() or mesh.size(mesh_dim) == 1:
             continue  # a whole extent
-        if not placement.is_shard():
+        # A strided shard (FSDP2 over a tensor-parallel dim) is not is_shard() in PyTorch 2.11.
+        strided = hasattr(placement, "split_factor")
+        if not (placement.is_shard() or strided):
             raise ValueError(f"{name}: {describe(tensor)}: mesh dimension {mesh_dim} has {placement}; "
                              "shardmuon takes Shard and Replicate placements (reduce a Partial "
                              "gradient first)")
