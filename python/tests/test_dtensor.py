@@ -179,29 +179,23 @@ def _refused(rank, world):
     with pytest.raises(ValueError, match="layer\\.partial.*placements.*mesh dimension 1 has P.*Partial"):
         optimizer.step()
     assert torch.equal(good.to_local(), before)  # nothing stepped
-    # A loaded momentum of another shape, on a parameter of the step's second call (its
-    # columns are split over dp, the first call's rows over tp): neither call is made.
-    columns_over_dp = placements_of(["S1", "R"])
-    other = torch.nn.Parameter(distribute(torch.randn(6, 10, dtype=torch.float64), mesh, columns_over_dp))
-    other.grad = distribute(torch.randn(6, 10, dtype=torch.float64), mesh, columns_over_dp)
-    good.grad = distribute(torch.randn(8, 6, dtype=torch.float64), mesh, rows_over_tp)
-    optimizer = st.Muon([good, ("layer.other", other)], lr=0.02)
-    optimizer.state[other]["momentum_buffer"] = torch.zeros(3, 10, dtype=torch.float64)
-    before = good.to_local().clone()
-    with pytest.raises(ValueError, match=r"layer\.other.*momentum_buffer must be"):
-        optimizer.step()
-    assert torch.equal(good.to_local(), before)
-    # The same for a parameter split over both mesh dimensions (regrouped), its momentum a
-    # plain tensor: refused before the first call.
-    split_twice = placements_of(["S0", "S1"])
-    both = torch.nn.Parameter(distribute(torch.randn(8, 10, dtype=torch.float64), mesh, split_twice))
-    both.grad = distribute(torch.randn(8, 10, dtype=torch.float64), mesh, split_twice)
-    good.grad = distribute(torch.randn(8, 6, dtype=torch.float64), mesh, rows_over_tp)
-    optimizer = st.Muon([good, ("layer.both", both)], lr=0.02)
-    optimizer.state[both]["momentum_buffer"] = torch.zeros(4, 5, dtype=torch.float64)
-    with pytest.raises(ValueError, match=r"layer\.both.*momentum_buffer must be a torch\.float64 DTensor"):
-        optimizer.step()
-    assert torch.equal(good.to_local(), before)
+    # A loaded momentum of another shape on a parameter of the step's second call (its columns
+    # split over dp, the first call's rows over tp; or split over both mesh dimensions, so
+    # regrouped): neither call is made.
+    for name, shape, codes, momentum, message in [
+            ("other", (6, 10), ["S1", "R"], torch.zeros(3, 10, dtype=torch.float64), "must be"),
+            ("both", (8, 10), ["S0", "S1"], torch.zeros(4, 5, dtype=torch.float64),
+             "must be a torch\\.float64 DTensor")]:
+        placements = placements_of(codes)
+        other = torch.nn.Parameter(distribute(torch.randn(*shape, dtype=torch.float64), mesh, placements))
+        other.grad = distribute(torch.randn(*shape, dtype=torch.float64), mesh, placements)
+        good.grad = distribute(torch.randn(8, 6, dtype=torch.float64), mesh, rows_over_tp)
+        optimizer = st.Muon([good, (f"layer.{name}", other)], lr=0.02)
+        optimizer.state[other]["momentum_buffer"] = momentum
+        before = good.to_local().clone()
+        with pytest.raises(ValueError, match=f"layer\\.{name}.*momentum_buffer {message}"):
+            optimizer.step()
+        assert torch.equal(good.to_local(), before)
     # A gradient placed otherwise than its parameter.
     good.grad = distribute(torch.randn(8, 6, dtype=torch.float64), mesh, placements_of(["S0", "R"]))
     with pytest.raises(ValueError, match="its gradient is placements"):
