@@ -189,6 +189,22 @@ class Communicator:
             self.handle = None
 
 
+class Runtimes:
+    """The handles of an optimizer or NewtonSchulz, made on first use: one context (and its
+    workspace) per device, one communicator per device and process group."""
+
+    def __init__(self):
+        self._contexts = {}
+        self._comms = {}
+
+    def get(self, device: torch.device, group):
+        if device not in self._contexts:
+            self._contexts[device] = Context(device)
+        if (device, group) not in self._comms:
+            self._comms[(device, group)] = Communicator(group, device)
+        return self._contexts[device], self._comms[(device, group)]
+
+
 def _nccl_comm_pointer(group, device: torch.device) -> int:
     """The ncclComm_t of a ProcessGroupNCCL (PyTorch creates it lazily: a first collective
     on this device makes sure it exists)."""

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from . import _capi as c
 from ._dtensor import describe, is_dtensor, local_tensor, redistributed, sharding, write_into
-from ._runtime import Communicator, Context, group_rank, group_size, normalize_group
+from ._runtime import Runtimes, group_rank, group_size, normalize_group
 
 __all__ = ["Muon", "MuonWithAdamW", "NewtonSchulz", "muon_param_groups", "load_resharded_state_dict"]
 
@@ -161,8 +161,7 @@ class Muon(torch.optim.Optimizer):
         for index, group in enumerate(self.param_groups):
             _check_hyperparameters(group, f"Muon param_groups[{index}]")
         self.process_group = normalize_group(process_group)
-        self._contexts: Dict[torch.device, Context] = {}
-        self._comms: Dict[Any, Communicator] = {}  # by (device, process group)
+        self._runtimes = Runtimes()
         self._shard_sizes: Dict[int, List[int]] = {}
 
     # -- helpers ------------------------------------------------------------------------------
@@ -213,14 +212,6 @@ class Muon(torch.optim.Optimizer):
                 "range of the row-major elements, ZeRO style)")
         return None if chosen in (None, -1) else chosen
 
-    def _runtime(self, device: torch.device, process_group):
-        if device not in self._contexts:
-            self._contexts[device] = Context(device)
-        key = (device, process_group)
-        if key not in self._comms:
-            self._comms[key] = Communicator(process_group, device)
-        return self._contexts[device], self._comms[key]
-
     def _gather_shard_sizes(self, entries, device, process_group):
         """Exchanges the local extents of the sharded parameters not seen before: one
         collective for all of them, made by every rank of the group in the same order."""
@@ -256,21 +247,6 @@ class Muon(torch.optim.Optimizer):
         row_blocks = experts if param.ndim == 3 else int(getattr(param, "muon_row_blocks", 1))
         return process_group, dim, shape, extent, row_blocks, how.regroup
 
-    def _regrouped_momentum(self, e):
-        """The momentum buffer of a regrouped parameter (created as zeros on its first step),
-        checked: a DTensor of the parameter's shape and placements."""
-        param, name = e["param"], e["name"]
-        state = self.state[param]
-        if "momentum_buffer" not in state:
-            state["momentum_buffer"] = torch.zeros_like(param)
-        momentum = state["momentum_buffer"]
-        if (not is_dtensor(momentum) or momentum.shape != param.shape or momentum.placements != param.placements
-                or momentum.dtype != param.dtype):
-            got = describe(momentum) if is_dtensor(momentum) else f"not a DTensor: {type(momentum).__name__}"
-            raise ValueError(f"{name}: its state's momentum_buffer must be a {param.dtype} DTensor of the "
-                             f"parameter's shape {tuple(param.shape)} and {describe(param)}, got {got}")
-        return momentum
-
     def _regrouped(self, e):
         """A DTensor parameter whose split the library cannot take as it is (over several mesh
         dimensions, say), redistributed with its gradient and momentum to placements it can
@@ -280,7 +256,7 @@ class Muon(torch.optim.Optimizer):
         param_copy = redistributed(param, target)
         grad_copy = momentum = momentum_copy = None
         if e["grad"] is not None:
-            momentum = self._regrouped_momentum(e)
+            momentum = self._momentum(param, e["local"], name)
             grad_copy = redistributed(param.grad, target)
             momentum_copy = redistributed(momentum, target)
         local = param_copy.to_local()
@@ -375,7 +351,7 @@ class Muon(torch.optim.Optimizer):
         regrouped = [e for e in entries if e["regroup"] is not None]
         for e in regrouped:
             if e["grad"] is not None:
-                self._regrouped_momentum(e)
+                self._momentum(e["param"], e["local"], e["name"])
 
         def later():
             for e in regrouped:
@@ -498,13 +474,19 @@ class Muon(torch.optim.Optimizer):
         return {e["name"]: result[e["name"]] for e in entries}
 
     def _momentum(self, param, local, name: str) -> torch.Tensor:
-        """This rank's momentum buffer of a parameter (created as zeros on its first step; a
-        DTensor parameter's is a DTensor of the same placements), checked against the parameter:
-        the library writes through its pointer, so a loaded state of another shape must fail here."""
+        """A parameter's momentum buffer (created as zeros on its first step; a DTensor
+        parameter's is a DTensor of the same placements, which a regrouped step redistributes),
+        checked against the parameter and its local piece `local`: the library writes through
+        the piece's pointer, so a loaded state of another shape must fail here."""
         state = self.state[param]
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(param, memory_format=torch.contiguous_format)
-        momentum = local_tensor(state["momentum_buffer"])
+        buffer = state["momentum_buffer"]
+        if is_dtensor(param) and not (is_dtensor(buffer) and buffer.placements == param.placements):
+            got = describe(buffer) if is_dtensor(buffer) else f"a {type(buffer).__name__}, not a DTensor"
+            raise ValueError(f"{name}: its state's momentum_buffer must be a {param.dtype} DTensor with "
+                             f"the parameter's {describe(param)}, got {got}")
+        momentum = local_tensor(buffer)
         if (not torch.is_tensor(momentum) or momentum.shape != local.shape or momentum.dtype != local.dtype
                 or momentum.device != local.device or not momentum.is_contiguous()):
             got = (f"{tuple(momentum.shape)} {momentum.dtype} on {momentum.device}, contiguous: "
@@ -512,12 +494,12 @@ class Muon(torch.optim.Optimizer):
             raise ValueError(f"{name}: its state's momentum_buffer must be a contiguous "
                              f"{tuple(local.shape)} {local.dtype} tensor on {local.device} (this rank's "
                              f"piece), got {got}")
-        return momentum
+        return buffer
 
     def _step_arguments(self, entries, device, process_group):
         """The runtime and the C arrays of a step over `entries`, all over `process_group` (and
         what must outlive them)."""
-        context, comm = self._runtime(device, process_group)
+        context, comm = self._runtimes.get(device, process_group)
         self._gather_shard_sizes(entries, device, process_group)
         rank = group_rank(process_group)
 
@@ -539,7 +521,10 @@ class Muon(torch.optim.Optimizer):
                 p.no_grad = 1
             else:
                 p.grad = grad.data_ptr() or None
-                momentum = e["momentum"] if "momentum" in e else self._momentum(param, local, e["name"])
+                if "momentum" in e:  # a regrouped parameter's copy
+                    momentum = e["momentum"]
+                else:
+                    momentum = local_tensor(self._momentum(param, local, e["name"]))
                 p.momentum = momentum.data_ptr() or None
             rows, cols = e["shape"]
             p.row_blocks = e["row_blocks"]
@@ -718,8 +703,7 @@ class NewtonSchulz:
         self._options.schedule = c.SCHEDULES[coefficient_type]
         self._options.eps = float(eps)
         self._options.algorithm = c.ALGORITHMS[algorithm]
-        self._contexts: Dict[torch.device, Context] = {}
-        self._comms: Dict[Any, Communicator] = {}  # by (device, process group)
+        self._runtimes = Runtimes()
 
     def coefficients(self):
         """The (a, b, c) of every iteration."""
@@ -814,12 +798,7 @@ class NewtonSchulz:
         if shard.dtype not in _DTYPES or not shard.is_contiguous():
             raise ValueError(f"shardmuon: the shard must be a contiguous float32, bfloat16 or float64 "
                              f"tensor, got {shard.dtype} (contiguous: {shard.is_contiguous()})")
-        if shard.device not in self._contexts:  # one context (and workspace) per device
-            self._contexts[shard.device] = Context(shard.device)
-        key = (shard.device, process_group)
-        if key not in self._comms:
-            self._comms[key] = Communicator(process_group, shard.device)
-        context, comm = self._contexts[shard.device], self._comms[key]
+        context, comm = self._runtimes.get(shard.device, process_group)
         keepalive = []
         layout = self._layout(shape, partition_dim, shard_sizes, keepalive, process_group)
         # The library sees a pointer only: the shard's extent is checked here.
