@@ -9,20 +9,30 @@ The library takes a matrix split along one dim over one process group, so:
   the others: rows or columns split over that mesh dimension's group (FSDP2's dim-0 sharding on
   a 1D mesh, or the column- and row-parallel layers of tensor parallelism);
 * a 3D parameter (experts x rows x cols) may also be ``Shard(0)`` (expert parallelism): each
-  rank then holds whole experts and orthogonalizes its own; besides that, ``Shard(2)`` on one
-  mesh dimension splits every expert's columns over its group;
+  rank then holds whole experts and orthogonalizes its own; besides that, ``Shard(2)`` splits
+  every expert's columns;
 * with no split at all, a parameter on a 1D mesh is replicated over the mesh's group (so that
   owners can share the work), and on a larger mesh each rank orthogonalizes it on its own;
-* a split over several mesh dimensions (FSDP2 with tensor parallelism: ``(Shard(0),
-  Shard(1))``, or a strided shard) is first gathered over all but one of them (see
-  ``sharding``).
+* a split over several mesh dimensions (FSDP2 with tensor parallelism: ``(_StridedShard(0),
+  Shard(0))`` or ``(Shard(0), Shard(1))``) is taken over one process group of all their ranks
+  (see ``sharding``).
 
 ``Partial`` placements are refused with an error.
+
+Why a split over several mesh dimensions needs no gather: Newton-Schulz commutes with
+permutations of rows and of columns (for permutation matrices P and Q, the iteration on P X Q
+is P (the iteration on X) Q: its products X X^T and X^T X just permute along), and so do the
+Frobenius norm, the momentum and the weight decay. So when each rank holds some rows (or some
+columns) of the matrix, in whatever order and however strided, the library may treat the
+pieces as a plain split in its group's rank order. Only a fused weight's row blocks
+(``muon_row_blocks``) need rows in their true order.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple, Optional
+
+import torch.distributed as dist
 
 from ._runtime import LOCAL, normalize_group
 
@@ -57,49 +67,125 @@ class Sharding(NamedTuple):
     regroup: Optional[tuple]  # placements to redistribute it to first, or None
 
 
-def sharding(tensor, name: str) -> Sharding:
-    """How the library sees a 2D or 3D DTensor parameter.
+class _Missing:
+    def __repr__(self):
+        return "no process group"
 
-    The library takes a matrix cut along one dim over one process group. One plain ``Shard``
-    on a dim it can take (rows or columns; a 3D stack's columns) is used as it is; a stack's
-    ``Shard(0)`` leaves whole experts on each rank. Any other cut (a second split mesh
-    dimension, a strided shard, a stack's rows) is gathered first: ``regroup`` then gives the
-    placements to redistribute to, which keep the cut over the largest mesh dimension. That
-    costs an all-gather over the gathered mesh dimensions, and their ranks then orthogonalize
-    the same matrix, each one over the kept dimension's group."""
+
+_MISSING = _Missing()
+
+
+def sharding(tensor, name: str, row_blocks: int = 1) -> Sharding:
+    """How the library sees a 2D or 3D DTensor parameter (of ``row_blocks`` stacked matrices).
+
+    The library takes a matrix cut along one dim over one process group. When every cut is
+    along one dim it can take (rows or columns; a 3D stack's columns), the pieces are used as
+    they are over the group of all the cut mesh dimensions' ranks, whatever their order (see
+    the module's note). Otherwise (rows and columns cut over different mesh dimensions, a
+    stack's rows, a fused weight's rows out of order) ``regroup`` gives placements to
+    redistribute to first: the same mesh dimensions all cutting one dim, which DTensor does
+    with an all-to-all. Over several mesh dimensions that group is the world when they span
+    it, or one the user made with ``DeviceMesh._flatten`` (torchtitan's way); without one, the
+    cuts but the largest are gathered instead, and the ranks along them then orthogonalize the
+    same matrix over the kept dimension's group."""
     if tensor.ndim not in (2, 3):
         raise ValueError(f"{name}: a DTensor Muon parameter is 2D or 3D (experts x rows x cols), "
                          f"got {tensor.ndim}D")
     mesh = tensor.device_mesh
-    allowed = (0, 1) if tensor.ndim == 2 else (2,)
-    usable = []  # (mesh dim, tensor dim) of plain cuts the library can take as they are
-    gathered = []  # mesh dims of the cuts it cannot
+    cuts = {}  # mesh dim -> the tensor dim it cuts, of every split but the experts'
     experts_split = False
     for mesh_dim, placement in enumerate(tensor.placements):
         if placement.is_replicate() or mesh.size(mesh_dim) == 1:
             continue  # a whole extent
         # A strided shard (FSDP2 over a tensor-parallel dim) is not is_shard() in PyTorch 2.11.
-        strided = hasattr(placement, "split_factor")
-        if not (placement.is_shard() or strided):
+        if not (placement.is_shard() or hasattr(placement, "split_factor")):
             raise ValueError(f"{name}: {describe(tensor)}: mesh dimension {mesh_dim} has {placement}; "
                              "shardmuon takes Shard and Replicate placements (reduce a Partial "
                              "gradient first)")
         dim = placement.dim % tensor.ndim
         if tensor.ndim == 3 and dim == 0:
             experts_split = True  # expert parallelism: whole experts on each rank
-        elif type(placement) is Shard and dim in allowed:
-            usable.append((mesh_dim, dim))
         else:
-            gathered.append(mesh_dim)
-    kept = max(usable, key=lambda cut: (mesh.size(cut[0]), cut[0]), default=None)
-    gathered += [cut[0] for cut in usable if cut != kept]
-    regroup = None
-    if gathered:
-        placements = list(tensor.placements)
-        for mesh_dim in gathered:
-            placements[mesh_dim] = Replicate()
-        regroup = tuple(placements)
+            cuts[mesh_dim] = dim
     experts = tensor.to_local().shape[0] if tensor.ndim == 3 else 1
+    if not cuts:
+        if mesh.ndim == 1 and not experts_split:
+            return Sharding(normalize_group(mesh.get_group(0)), None, experts, None)
+        return Sharding(LOCAL, None, experts, None)
+    group = _group_over(mesh, sorted(cuts))
+    if group is _MISSING:
+        return _gathered(tensor, cuts, experts, experts_split, row_blocks)
+    columns = tensor.ndim - 1  # the dim of the columns (of every expert, in a stack)
+    dims = set(cuts.values())
+    if len(dims) == 1:
+        dim = dims.pop()
+        if dim == columns or (tensor.ndim == 2 and (row_blocks == 1 or _in_rank_order(tensor, cuts, group))):
+            return Sharding(group, dim, experts, None)
+    # One dim for all: the outermost cut's, unless rows cannot be taken out of order.
+    target = columns if tensor.ndim == 3 or row_blocks > 1 else cuts[min(cuts)]
+    placements = list(tensor.placements)
+    for mesh_dim in cuts:
+        placements[mesh_dim] = Shard(target)
+    return Sharding(group, target, experts, tuple(placements))
+
+
+def _ranks_along(mesh, mesh_dims) -> list:
+    """The world ranks that share this rank's coordinates off ``mesh_dims``, in the mesh's
+    row-major order over ``mesh_dims``."""
+    coordinate = mesh.get_coordinate()
+    index = tuple(slice(None) if d in mesh_dims else coordinate[d] for d in range(mesh.ndim))
+    return mesh.mesh[index].flatten().tolist()
+
+
+def _in_rank_order(tensor, cuts, group) -> bool:
+    """Whether the pieces of plain ``Shard`` cuts along one dim are in the group's rank order.
+    Nested plain cuts are contiguous pieces in the mesh's row-major order over the cut mesh
+    dimensions, but a group's ranks are sorted by world rank (``new_group`` sorts them), so a
+    mesh laid out otherwise puts them out of order. Every rank of the group sees the same."""
+    if any(type(tensor.placements[mesh_dim]) is not Shard for mesh_dim in cuts):
+        return False  # a strided shard's pieces are not contiguous
+    ranks = _ranks_along(tensor.device_mesh, sorted(cuts))
+    group = dist.group.WORLD if group is None else group
+    return [dist.get_group_rank(group, rank) for rank in ranks] == list(range(len(ranks)))
+
+
+def _group_over(mesh, mesh_dims):
+    """The process group of the ranks that share this rank's coordinates off ``mesh_dims``:
+    that dimension's group for one; over several, the world when they span it, else a group
+    made by ``DeviceMesh._flatten`` over exactly those ranks, else _MISSING. (Making a group
+    here would be a collective of every rank of the world, which a step cannot promise.)"""
+    if len(mesh_dims) == 1:
+        return normalize_group(mesh.get_group(mesh_dims[0]))
+    ranks = set(_ranks_along(mesh, mesh_dims))
+    if len(ranks) == dist.get_world_size():
+        return None
+    root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
+    for flattened in getattr(root, "_flatten_mapping", {}).values():
+        if flattened.ndim == 1 and set(flattened.mesh.flatten().tolist()) == ranks:
+            return normalize_group(flattened.get_group(0))
+    return _MISSING
+
+
+def _gathered(tensor, cuts, experts, experts_split, row_blocks) -> Sharding:
+    """Without a group over all the cut mesh dimensions: keep the plain cut the library can
+    take over the largest mesh dimension, and gather the others (``regroup``)."""
+    mesh = tensor.device_mesh
+
+    def can_keep(mesh_dim, dim):
+        if type(tensor.placements[mesh_dim]) is not Shard:
+            return False
+        if tensor.ndim == 3:
+            return dim == 2
+        group = normalize_group(mesh.get_group(mesh_dim))
+        return dim == 1 or row_blocks == 1 or _in_rank_order(tensor, {mesh_dim: dim}, group)
+
+    usable = [(mesh_dim, dim) for mesh_dim, dim in cuts.items() if can_keep(mesh_dim, dim)]
+    kept = max(usable, key=lambda cut: (mesh.size(cut[0]), cut[0]), default=None)
+    placements = list(tensor.placements)
+    for mesh_dim in cuts:
+        if kept is None or mesh_dim != kept[0]:
+            placements[mesh_dim] = Replicate()
+    regroup = tuple(placements)
     if kept is not None:
         return Sharding(normalize_group(mesh.get_group(kept[0])), kept[1], experts, regroup)
     if mesh.ndim == 1 and not experts_split:

@@ -228,7 +228,8 @@ class Muon(torch.optim.Optimizer):
         """Where a DTensor parameter's sharding comes from: its placements (see _dtensor).
         `local`: the piece the library will see, when not the parameter's own (a regrouped
         copy)."""
-        how = sharding(param, name)
+        blocks = int(getattr(param, "muon_row_blocks", 1))  # a fused 2D weight's stacked parts
+        how = sharding(param, name, blocks)
         process_group, tensor_dim, experts = how.process_group, how.dim, how.experts
         attribute = getattr(param, "partition_dim", None)
         declared = -1 if tensor_dim is None else tensor_dim
@@ -244,12 +245,12 @@ class Muon(torch.optim.Optimizer):
             shape = tuple(param.shape) if tensor_dim is not None else tuple(local.shape)
             dim = tensor_dim
         extent = None if tensor_dim is None else local.shape[tensor_dim]
-        row_blocks = experts if param.ndim == 3 else int(getattr(param, "muon_row_blocks", 1))
+        row_blocks = experts if param.ndim == 3 else blocks
         return process_group, dim, shape, extent, row_blocks, how.regroup
 
     def _regrouped(self, e):
-        """A DTensor parameter whose split the library cannot take as it is (over several mesh
-        dimensions, say), redistributed with its gradient and momentum to placements it can
+        """A DTensor parameter whose split the library cannot take as it is (rows and columns
+        cut over different mesh dimensions, say), redistributed with its gradient and momentum to placements it can
         take (see _dtensor.sharding): the entry of those copies, and a function that writes
         the stepped copies back into the parameter and its momentum."""
         param, target, name = e["param"], e["regroup"], e["name"]
@@ -443,8 +444,11 @@ class Muon(torch.optim.Optimizer):
         """How the next step() would orthogonalize each Muon parameter, without taking it: by
         parameter name, {"algorithm": "local", "duplicated", "gram_allreduce",
         "gram_allreduce_redistributed" or "owner", "owner": the rank that orthogonalizes it
-        under "owner" (else None; a rank of the parameter's process group, a DTensor's mesh
-        dimension's), "gram_iteration": whether it runs Gram Newton-Schulz ((e))}.
+        under "owner" (else None; a rank of the group the parameter is stepped over),
+        "gram_iteration": whether it runs Gram Newton-Schulz ((e)), "group_size": the ranks of
+        the process group it is stepped over (a DTensor's: those of its cut mesh dimensions), and
+        "redistributed": the placements a DTensor parameter is redistributed to for the
+        step (a Replicate() among them where it is gathered), or None}.
         It depends on which parameters have gradients, as the step does (one without takes no
         part in the owners). Like step(), the first call exchanges the shard sizes over the
         process group (every rank must call it) and creates the momentum buffers of the
@@ -470,7 +474,9 @@ class Muon(torch.optim.Optimizer):
             for i, e in enumerate(bucket):
                 result[e["name"]] = {"algorithm": names.get(algorithms[i], str(algorithms[i])),
                                      "owner": owners[i] if owners[i] >= 0 else None,
-                                     "gram_iteration": bool(gram[i])}
+                                     "gram_iteration": bool(gram[i]),
+                                     "group_size": group_size(e["process_group"]),
+                                     "redistributed": e["regroup"]}
         return {e["name"]: result[e["name"]] for e in entries}
 
     def _momentum(self, param, local, name: str) -> torch.Tensor:

@@ -1,9 +1,12 @@
 """DTensor parameters (torchtitan, FSDP2 and PyTorch tensor parallelism) on several CPU
 processes (gloo): on 1D meshes (rows or columns split, by DTensor's own chunking with empty
-pieces, or uneven pieces given with from_local) and on a 2 x 2 mesh (a split over one mesh
-dimension, expert parallelism, replication), every step against the float64 reference on the
-whole matrices; the placements refused with an error on every rank; the state dict; and
-NewtonSchulz on a DTensor.
+pieces, or uneven pieces given with from_local), on a 2 x 2 mesh (a split over one mesh
+dimension or both, expert parallelism, replication, fused weights) and on half of a 2 x 2 x 2
+mesh (with and without a flattened group), every step against the float64 reference on the
+whole matrices, and plan() saying over how many ranks and under which placements; FSDP2,
+alone and with tensor parallelism, against the whole model; the placements refused with an
+error on every rank; the state dict and torch.distributed.checkpoint; and NewtonSchulz on a
+DTensor.
 
 Needs PyTorch 2.1 or later (DTensor); Debian's PyTorch 1.13 skips this file, so these tests
 run on the lent GPU machine's PyTorch (docs/GPU_RUNS.md)."""
@@ -23,7 +26,7 @@ from shardmuon import _dtensor
 pytestmark = pytest.mark.skipif(_dtensor.DTensor is None, reason="this PyTorch has no DTensor")
 
 if _dtensor.DTensor is not None:
-    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     try:
         from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
     except ImportError:
@@ -55,8 +58,14 @@ def random_matrices(seed, shape, dtype, count):
     return weight, grads
 
 
-def reference_steps(weight, grads):
-    """The float64 reference after len(grads) steps, expert by expert for a 3D weight."""
+def reference_steps(weight, grads, row_blocks=1):
+    """The float64 reference after len(grads) steps, expert by expert for a 3D weight, block
+    by block for a fused 2D weight of row_blocks stacked matrices."""
+    if row_blocks > 1:
+        rows, cols = weight.shape
+        stacked = reference_steps(weight.reshape(row_blocks, rows // row_blocks, cols),
+                                  [g.reshape(row_blocks, rows // row_blocks, cols) for g in grads])
+        return stacked.reshape(rows, cols)
     if weight.ndim == 3:
         return torch.stack([reference_steps(weight[e], [g[e] for g in grads]) for e in range(weight.shape[0])])
     w, m = weight.double(), torch.zeros_like(weight, dtype=torch.float64)
@@ -123,44 +132,119 @@ def test_one_dim_mesh_matches_the_whole_matrix_reference(world):
     launch(_one_dim_mesh, world)
 
 
-# On a 2 x 2 mesh ("dp", "tp"): (shape, placements).
-TWO_DIM = [((40, 33), ("R", "S0")),     # rows over tp
-           ((27, 50), ("S1", "R")),     # columns over dp
-           ((20, 12), ("R", "R")),      # each rank on its own
-           ((4, 9, 14), ("S0", "S2")),  # experts over dp, their columns over tp
-           ((6, 10, 7), ("S0", "R")),   # expert parallelism: whole experts
-           ((3, 8, 11), ("R", "R")),
-           # Splits the library cannot take as they are: gathered over dp first.
-           ((41, 35), ("S0", "S1")),    # FSDP2's rows with tensor-parallel columns
-           ((35, 41), ("S1", "S0")),
-           ((45, 20), ("S0", "S0")),    # rows cut over dp, then each piece over tp
-           ((2, 9, 14), ("R", "S1")),   # every expert's rows
-           ((4, 10, 13), ("S2", "S2"))]
+# On a 2 x 2 mesh ("dp", "tp"): (shape, placements, muon_row_blocks, then what plan() says:
+# the ranks it is stepped over, and the placements it is redistributed to or None).
+TWO_DIM = [((40, 33), ("R", "S0"), 1, 2, None),     # rows over tp
+           ((27, 50), ("S1", "R"), 1, 2, None),     # columns over dp
+           ((20, 12), ("R", "R"), 1, 1, None),      # each rank on its own
+           ((4, 9, 14), ("S0", "S2"), 1, 2, None),  # experts over dp, their columns over tp
+           ((6, 10, 7), ("S0", "R"), 1, 1, None),   # expert parallelism: whole experts
+           ((3, 8, 11), ("R", "R"), 1, 1, None),
+           ((26, 15), ("R", "S0"), 2, 2, None),     # a fused weight's rows, in order
+           # Over both mesh dimensions: the world's 4 ranks, the pieces as they are.
+           ((45, 20), ("S0", "S0"), 1, 4, None),    # rows cut over dp, then each piece over tp
+           ((4, 10, 13), ("S2", "S2"), 1, 4, None),
+           # Redistributed (an all-to-all) so that one dim is cut.
+           ((41, 35), ("S0", "S1"), 1, 4, ("S0", "S0")),  # FSDP2's rows, tensor-parallel columns
+           ((35, 41), ("S1", "S0"), 1, 4, ("S1", "S1")),
+           ((2, 9, 14), ("R", "S1"), 1, 2, ("R", "S2")),  # every expert's rows
+           ((24, 16), ("S1", "S0"), 3, 4, ("S1", "S1")),  # a fused weight's rows
+           ((24, 17), ("S0", "S0"), 2, 4, None)]  # in the world's rank order
 
 
 def placements_of(codes):
     return [Replicate() if code == "R" else Shard(int(code[1])) for code in codes]
 
 
-def _two_dim_mesh(rank, world):
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+def parameters_of(mesh, cases, seed):
+    """The whole matrices and DTensor parameters of `cases` (as TWO_DIM), and the optimizer."""
     wholes, params, grads = [], [], []
-    for i, (shape, codes) in enumerate(TWO_DIM):
-        weight, g = random_matrices(200 + i, shape, torch.float64, len(LEARNING_RATES))
+    for i, (shape, codes, row_blocks, _, _) in enumerate(cases):
+        weight, g = random_matrices(seed + i, shape, torch.float64, len(LEARNING_RATES))
         placements = placements_of(codes)
         params.append(torch.nn.Parameter(distribute(weight, mesh, placements)))
+        params[-1].muon_row_blocks = row_blocks
         grads.append([distribute(x, mesh, placements) for x in g])
-        wholes.append((weight, g, placements))
-    optimizer = st.Muon(params, lr=LEARNING_RATES[0], weight_decay=0.1)
-    assert len(optimizer.plan()) == len(params)
+        wholes.append((weight, g, placements, row_blocks))
+    return wholes, params, grads, st.Muon(params, lr=LEARNING_RATES[0], weight_decay=0.1)
+
+
+def check_plan(optimizer, params, cases):
+    """plan() says over how many ranks and under which placements each one is stepped."""
+    plan = optimizer.plan()
+    for i, (shape, codes, _, ranks, redistributed) in enumerate(cases):
+        entry = plan[optimizer._name(params[i], 0, i)]
+        expected = None if redistributed is None else tuple(placements_of(redistributed))
+        assert (entry["group_size"], entry["redistributed"]) == (ranks, expected), (shape, codes, entry)
+
+
+def steps_match_the_reference(rank, mesh, cases, seed):
+    """Three steps of Muon on DTensors of `cases` against the float64 reference, after
+    check_plan."""
+    wholes, params, grads, optimizer = parameters_of(mesh, cases, seed)
+    check_plan(optimizer, params, cases)
     run_steps(optimizer, params, lambda i, step: grads[i][step])
-    expected = [distribute(reference_steps(weight, g), mesh, placements).to_local()
-                for weight, g, placements in wholes]
+    expected = [distribute(reference_steps(weight, g, row_blocks), mesh, placements).to_local()
+                for weight, g, placements, row_blocks in wholes]
     check_pieces(params, expected.__getitem__, [torch.float64] * len(params), rank)
+
+
+def _two_dim_mesh(rank, world):
+    steps_match_the_reference(rank, init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")), TWO_DIM, 200)
 
 
 def test_two_dim_mesh_matches_the_whole_matrix_reference():
     launch(_two_dim_mesh, 4)
+
+
+# On a 2 x 2 mesh laid out [[2, 0], [3, 1]]: the pieces along tp and over the whole mesh are
+# out of the groups' rank order (a process group sorts its ranks); along dp they are in order.
+PERMUTED = [((45, 20), ("S0", "S0"), 1, 4, None),
+            ((20, 45), ("S1", "S1"), 1, 4, None),
+            ((30, 22), ("R", "S0"), 1, 2, None),
+            ((26, 15), ("S0", "R"), 2, 2, None)]  # a fused weight's rows, in order along dp
+# A fused weight's rows must come in order: where they do not, they are cut along columns
+# instead. Only plan() is checked: DTensor's own redistribution gives wrong pieces on such a
+# mesh (PyTorch 2.11: even (Shard(0), Shard(1)) to (Shard(0), Replicate())).
+PERMUTED_REDISTRIBUTED = [((26, 15), ("R", "S0"), 2, 2, ("R", "S1")),
+                          ((24, 17), ("S0", "S0"), 2, 4, ("S1", "S1")),
+                          ((41, 35), ("S0", "S1"), 1, 4, ("S0", "S0"))]
+
+
+def _permuted_mesh(rank, world):
+    mesh = DeviceMesh("cpu", torch.tensor([[2, 0], [3, 1]]), mesh_dim_names=("dp", "tp"))
+    steps_match_the_reference(rank, mesh, PERMUTED, 600)
+    _, params, _, optimizer = parameters_of(mesh, PERMUTED_REDISTRIBUTED, 650)
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    check_plan(optimizer, params, PERMUTED_REDISTRIBUTED)
+
+
+def test_a_mesh_out_of_rank_order_matches_the_whole_matrix_reference():
+    launch(_permuted_mesh, 4)
+
+
+# On the ("dp", "tp") half of a 2 x 2 x 2 mesh ("pp", "dp", "tp"), which does not span the
+# world: without a group over dp and tp, all but the cut over tp are gathered; with the group
+# DeviceMesh._flatten makes, as over the world above.
+SUBMESH = {False: [((41, 35), ("S0", "S1"), 1, 2, ("R", "S1")),
+                   ((45, 20), ("S0", "S0"), 1, 2, ("R", "S0")),
+                   ((30, 22), ("S1", "R"), 1, 2, None)],
+           True: [((41, 35), ("S0", "S1"), 1, 4, ("S0", "S0")),
+                  ((45, 20), ("S0", "S0"), 1, 4, None),
+                  ((30, 22), ("S1", "R"), 1, 2, None)]}
+
+
+def _submesh(rank, world, flattened):
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
+    if flattened:
+        mesh["dp", "tp"]._flatten()
+    steps_match_the_reference(rank, mesh["dp", "tp"], SUBMESH[flattened], 500)
+
+
+@pytest.mark.parametrize("flattened", [False, True])
+def test_a_submesh_uses_a_flattened_group_or_gathers(flattened):
+    launch(_submesh, 8, flattened)
 
 
 def _refused(rank, world):
@@ -250,13 +334,14 @@ def _newton_schulz(rank, world):
         assert reference.relative_error(x.to_local(), expected) < 1e-11, (rank, i)
     with pytest.raises(ValueError, match="placements give its split"):
         ns(x, partition_dim=0)
-    if world == 4:  # a split over two mesh dimensions is gathered over one of them first
+    if world == 4:  # split over two mesh dimensions: over the world's 4 ranks
         square = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-        whole, _ = random_matrices(450, (29, 38), torch.float64, 0)
-        x = distribute(whole, square, [Shard(0), Shard(1)])
-        ns(x)
-        expected = distribute(reference.newton_schulz(whole, triples, 1e-7), square, [Shard(0), Shard(1)])
-        assert reference.relative_error(x.to_local(), expected.to_local()) < 1e-11, rank
+        for i, codes in enumerate([("S0", "S1"), ("S0", "S0"), ("S1", "S0")]):
+            whole, _ = random_matrices(450 + i, (29, 38), torch.float64, 0)
+            x = distribute(whole, square, placements_of(codes))
+            ns(x)
+            expected = distribute(reference.newton_schulz(whole, triples, 1e-7), square, placements_of(codes))
+            assert reference.relative_error(x.to_local(), expected.to_local()) < 1e-11, (rank, codes)
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
@@ -352,8 +437,8 @@ def _fsdp2_with_tensor_parallelism(rank, world):
     """torchtitan's 2D parallelism: tensor parallelism (a column-parallel then a row-parallel
     layer) on the mesh's "tp" dimension, FSDP2 on its "dp" dimension. The weights are then
     split over both (a strided shard and Shard(0) for the first, Shard(0) and Shard(1) for the
-    second): Muon gathers them over dp and orthogonalizes over tp, and trains like the whole
-    model on the whole batch."""
+    second): Muon steps them over all four ranks and trains like the whole model on the whole
+    batch."""
     try:
         from torch.distributed.fsdp import fully_shard
     except ImportError:
@@ -373,6 +458,10 @@ def _fsdp2_with_tensor_parallelism(rank, world):
     for p in model.parameters():
         assert len(p.placements) == 2 and not any(x.is_replicate() for x in p.placements), p.placements
     optimizer = st.Muon(model.parameters(), lr=0.02, weight_decay=0.1)
+    # Both are stepped over all 4 ranks: the first weight's rows as they are, the second's
+    # redistributed to rows.
+    plan = list(optimizer.plan().values())
+    assert [(x["group_size"], x["redistributed"]) for x in plan] == [(4, None), (4, (Shard(0), Shard(0)))], plan
     references = [(p.detach().clone(), torch.zeros_like(p)) for p in whole_model.parameters()]
     generator = torch.Generator().manual_seed(1)
     dp_rank = mesh["dp"].get_local_rank()
