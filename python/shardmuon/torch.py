@@ -785,7 +785,7 @@ class NewtonSchulz:
             raise ValueError(f"shardmuon: shape {tuple(shape)} is not the DTensor's {tuple(dtensor.shape)}")
         how = sharding(dtensor, "shardmuon: NewtonSchulz's DTensor")
         process_group, dim = how.process_group, how.dim
-        # A split the library cannot take as it is is gathered over all but one mesh dimension.
+        # A split the library cannot take as it is is redistributed first (see _dtensor.sharding).
         piece = dtensor if how.regroup is None else redistributed(dtensor, how.regroup)
         local = piece.to_local()
         sizes = None
