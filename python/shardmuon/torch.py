@@ -250,9 +250,9 @@ class Muon(torch.optim.Optimizer):
 
     def _regrouped(self, e):
         """A DTensor parameter whose split the library cannot take as it is (rows and columns
-        cut over different mesh dimensions, say), redistributed with its gradient and momentum to placements it can
-        take (see _dtensor.sharding): the entry of those copies, and a function that writes
-        the stepped copies back into the parameter and its momentum."""
+        cut over different mesh dimensions, say), redistributed with its gradient and momentum
+        to placements it can take (see _dtensor.sharding): the entry of those copies, and a
+        function that writes the stepped copies back into the parameter and its momentum."""
         param, target, name = e["param"], e["regroup"], e["name"]
         param_copy = redistributed(param, target)
         grad_copy = momentum = momentum_copy = None

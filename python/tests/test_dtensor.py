@@ -143,10 +143,12 @@ TWO_DIM = [((40, 33), ("R", "S0"), 1, 2, None),     # rows over tp
            ((26, 15), ("R", "S0"), 2, 2, None),     # a fused weight's rows, in order
            # Over both mesh dimensions: the world's 4 ranks, the pieces as they are.
            ((45, 20), ("S0", "S0"), 1, 4, None),    # rows cut over dp, then each piece over tp
+           ((3, 20), ("S0", "S0"), 1, 4, None),     # pieces of 1, 1, 1 and 0 rows
            ((4, 10, 13), ("S2", "S2"), 1, 4, None),
            # Redistributed (an all-to-all) so that one dim is cut.
            ((41, 35), ("S0", "S1"), 1, 4, ("S0", "S0")),  # FSDP2's rows, tensor-parallel columns
            ((35, 41), ("S1", "S0"), 1, 4, ("S1", "S1")),
+           ((3, 20), ("S0", "S1"), 1, 4, ("S0", "S0")),
            ((2, 9, 14), ("R", "S1"), 1, 2, ("R", "S2")),  # every expert's rows
            ((24, 16), ("S1", "S0"), 3, 4, ("S1", "S1")),  # a fused weight's rows
            ((24, 17), ("S0", "S0"), 2, 4, None)]  # in the world's rank order
