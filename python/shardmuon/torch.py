@@ -77,8 +77,11 @@ def _all_gather_ints(values: List[int], process_group, device: torch.device) -> 
     return torch.stack(gathered).cpu().tolist()
 
 
-def _check_hyperparameters(group: Dict[str, Any], where: str) -> None:
-    if not (group["lr"] >= 0.0):
+def _check_hyperparameters(group: Dict[str, Any], where: str, read_tensors: bool = True) -> None:
+    """Raises a ValueError naming the group and the bad value. read_tensors=False leaves a
+    tensor learning rate unread (at a step, which may be captured in a CUDA graph: reading a
+    CUDA tensor would synchronize)."""
+    if (read_tensors or not torch.is_tensor(group["lr"])) and not (group["lr"] >= 0.0):
         raise ValueError(f"{where}: invalid learning rate: {group['lr']}")
     if not (0.0 <= group["momentum"] < 1.0):
         raise ValueError(f"{where}: invalid momentum value: {group['momentum']}")
@@ -157,12 +160,21 @@ class Muon(torch.optim.Optimizer):
             partition_dim=partition_dim, algorithm=algorithm,
         )
         _check_hyperparameters(defaults, "Muon")
-        super().__init__(params, defaults)
-        for index, group in enumerate(self.param_groups):
-            _check_hyperparameters(group, f"Muon param_groups[{index}]")
+        super().__init__(params, defaults)  # checks each group (add_param_group)
         self.process_group = normalize_group(process_group)
         self._runtimes = Runtimes()
         self._shard_sizes: Dict[int, List[int]] = {}
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        """torch.optim's, and the group's values checked: a bad one raises a ValueError naming
+        it, and the group is not added."""
+        super().add_param_group(param_group)
+        index = len(self.param_groups) - 1
+        try:
+            _check_hyperparameters(self.param_groups[index], f"Muon param_groups[{index}]")
+        except ValueError:
+            self.param_groups.pop()
+            raise
 
     # -- helpers ------------------------------------------------------------------------------
 
@@ -373,6 +385,8 @@ class Muon(torch.optim.Optimizer):
         return devices.pop()
 
     def _group_struct(self, group, keepalive, device, index) -> c.MuonGroup:
+        # Checked again at every step: a group's values may have changed since (schedulers).
+        _check_hyperparameters(group, f"Muon param_groups[{index}]", read_tensors=False)
         s = c.MuonGroup()
         c.check(c.lib.shardmuon_muon_group_default(ctypes.byref(s)))
         lr = group["lr"]
@@ -569,22 +583,34 @@ class MuonWithAdamW(Muon):
 
     def __init__(self, param_groups: List[Dict[str, Any]], *, adamw_betas=(0.9, 0.95),
                  adamw_eps: float = 1e-8, **muon_kwargs):
-        param_groups = [dict(g) for g in param_groups]
-        for index, group in enumerate(param_groups):
-            if "use_muon" not in group:
-                raise ValueError(f"MuonWithAdamW: param_groups[{index}] lacks use_muon=True/False")
-        adam_groups = []
-        for group in param_groups:
-            if not group["use_muon"]:
-                group.setdefault("betas", adamw_betas)
-                group.setdefault("adamw_eps", adamw_eps)
-                group.setdefault("weight_decay", 0.0)
-                adam_groups.append(group)
+        self._adamw_defaults = {"betas": adamw_betas, "adamw_eps": adamw_eps, "weight_decay": 0.0}
+        param_groups = [self._with_adamw_defaults(group, index) for index, group in enumerate(param_groups)]
         super().__init__(param_groups, **muon_kwargs)
-        self._adam = torch.optim.AdamW(
-            [{"params": g["params"], "lr": g.get("lr", muon_kwargs.get("lr", 3e-4)),
-              "betas": g["betas"], "eps": g["adamw_eps"], "weight_decay": g["weight_decay"]}
-             for g in self.param_groups if not g["use_muon"]])
+        self._adam = torch.optim.AdamW([self._adamw_group(g) for g in self.param_groups if not g["use_muon"]])
+        self._link_adam()
+
+    def _with_adamw_defaults(self, group: Dict[str, Any], index: int) -> Dict[str, Any]:
+        if "use_muon" not in group:
+            raise ValueError(f"MuonWithAdamW: param_groups[{index}] lacks use_muon=True/False")
+        group = dict(group)
+        if not group["use_muon"]:
+            for key, value in self._adamw_defaults.items():
+                group.setdefault(key, value)
+        return group
+
+    @staticmethod
+    def _adamw_group(group: Dict[str, Any]) -> Dict[str, Any]:
+        return {"params": group["params"], "lr": group["lr"], "betas": group["betas"],
+                "eps": group["adamw_eps"], "weight_decay": group["weight_decay"]}
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        """Muon's; a group added after construction with use_muon=False joins AdamW too."""
+        if not hasattr(self, "_adam"):  # from __init__, which links AdamW's groups itself
+            super().add_param_group(param_group)
+            return
+        super().add_param_group(self._with_adamw_defaults(param_group, len(self.param_groups)))
+        if not self.param_groups[-1]["use_muon"]:
+            self._adam.add_param_group(self._adamw_group(self.param_groups[-1]))
         self._link_adam()
 
     def _muon_groups(self):

@@ -299,6 +299,49 @@ def test_muon_with_adamw_matches_torch_adamw_for_the_other_parameters():
     optimizer.step()
 
 
+def test_groups_added_or_changed_later_are_checked():
+    torch.manual_seed(4)
+    weight, other = torch.nn.Parameter(torch.randn(4, 6)), torch.nn.Parameter(torch.randn(5, 3))
+    optimizer = st.Muon([weight], lr=0.02)
+    with pytest.raises(ValueError, match=r"Muon param_groups\[1\]: invalid learning rate: -1"):
+        optimizer.add_param_group({"params": [other], "lr": -1.0})
+    assert len(optimizer.param_groups) == 1  # not added
+    optimizer.add_param_group({"params": [other], "lr": 0.01})
+    weight.grad, other.grad = torch.randn(4, 6), torch.randn(5, 3)
+    optimizer.param_groups[1]["coefficient_type"] = "quintc"
+    before = [weight.detach().clone(), other.detach().clone()]
+    with pytest.raises(ValueError, match=r"Muon param_groups\[1\]: unknown coefficient_type 'quintc'"):
+        optimizer.step()
+    assert torch.equal(weight.detach(), before[0]) and torch.equal(other.detach(), before[1])
+    optimizer.param_groups[1]["coefficient_type"] = "quintic"
+    optimizer.step()
+    twin = torch.nn.Parameter(before[1].clone())
+    twin.grad = other.grad.clone()
+    st.Muon([twin], lr=0.01).step()
+    assert torch.equal(other.detach(), twin.detach())  # the added group's own lr
+
+
+def test_muon_with_adamw_steps_an_adamw_group_added_later():
+    torch.manual_seed(5)
+    weight, bias, late = (torch.nn.Parameter(torch.randn(*shape)) for shape in [(6, 4), (6,), (3,)])
+    optimizer = st.MuonWithAdamW([{"params": [weight], "use_muon": True},
+                                  {"params": [bias], "use_muon": False, "lr": 1e-3}], lr=0.02)
+    with pytest.raises(ValueError, match=r"param_groups\[2\] lacks use_muon"):
+        optimizer.add_param_group({"params": [late]})
+    assert len(optimizer.param_groups) == 2
+    optimizer.add_param_group({"params": [late], "use_muon": False, "lr": 1e-2})
+    twin = torch.nn.Parameter(late.detach().clone())
+    adam = torch.optim.AdamW([twin], lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    for _ in range(2):
+        for p in (weight, bias):
+            p.grad = torch.randn_like(p)
+        late.grad = torch.randn(3)
+        twin.grad = late.grad.clone()
+        optimizer.step()
+        adam.step()
+    assert torch.equal(late.detach(), twin.detach())
+
+
 @pytest.mark.parametrize("shape", [(7, 13), (13, 7), (1, 9), (40, 40)])
 @pytest.mark.parametrize("schedule,steps", [("quintic", 5), ("polar_express", 8)])
 def test_newton_schulz_matches_a_float64_iteration(shape, schedule, steps):
