@@ -47,9 +47,9 @@ front_end_pytest() {
   if ! python3 -c "import pytest" 2>/dev/null && [[ -d "$root/.deps/pytest_pkgs" ]]; then
     pythonpath="$root/.deps/pytest_pkgs"
   fi
-  SHARDMUON_LIBRARY="$root/$build/libshardmuon.so" PYTHONPATH="$pythonpath" timeout 300 \
+  SHARDMUON_LIBRARY="$root/$build/libshardmuon.so" PYTHONPATH="$pythonpath" timeout 420 \
     python3 -m pytest -q -p no:cacheprovider python/tests/test_dtensor.py python/tests/test_muon.py \
-    >"$out/pytest_torch2.log" 2>&1
+    python/tests/test_dtensor_placements.py >"$out/pytest_torch2.log" 2>&1
 }
 # The CUDA tests on 1 and (where the machine has them) 2 GPUs, one MPI rank per GPU, with a gtest
 # filter; logs <name>_npN.log.
