@@ -8,7 +8,7 @@ the learning rate changed every step, against the float64 reference on the whole
 a parameter without gradient; the errors for a CPU/CUDA mix and for a gloo group.
 On 1 GPU: against torch.optim.Muon where the settings coincide. On both: DTensor parameters
 and NewtonSchulz on a DTensor, on a CUDA device mesh of every rank (rows and columns split by
-DTensor's own chunking, and replicated), against the reference. Prints one line per check and
+DTensor's own chunking, replicated, and an expert stack's rows), against the reference. Prints one line per check and
 a summary; exits 1 if any failed.
 """
 
@@ -149,8 +149,20 @@ def sharded_checks(rank, world, device):
         record("gloo group with CUDA tensors raises", "NCCL" in str(error), f"({error})")
 
 
+def reference_steps(whole, grads, lrs):
+    """The float64 reference after len(lrs) steps, expert by expert for a 3D stack."""
+    if whole.ndim == 3:
+        return torch.stack([reference_steps(whole[e], [g[e] for g in grads], lrs) for e in range(whole.shape[0])])
+    w, m = whole.double(), torch.zeros(whole.shape, dtype=torch.float64)
+    for grad, lr in zip(grads, lrs):
+        w, m = reference.muon_step(w, grad, m, lr=lr, weight_decay=0.1)
+    return w
+
+
 def dtensor_checks(rank, world, device):
-    """DTensor parameters on a 1D CUDA mesh over NCCL (on one GPU, a mesh of one rank)."""
+    """DTensor parameters on a 1D CUDA mesh over NCCL (on one GPU, a mesh of one rank). An
+    expert stack with every expert's rows split is redistributed to columns first (DTensor's
+    all-to-all over NCCL) on several GPUs."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
@@ -158,7 +170,8 @@ def dtensor_checks(rank, world, device):
     tolerance = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
     lrs = [0.02, 0.05, 0.01]
     cases = [((257, 131), Shard(0), torch.bfloat16), ((131, 257), Shard(1), torch.float32),
-             ((384, 1152), Shard(1), torch.bfloat16), ((96, 64), Replicate(), torch.float32)]
+             ((384, 1152), Shard(1), torch.bfloat16), ((96, 64), Replicate(), torch.float32),
+             ((4, 96, 160), Shard(1), torch.float32)]
     params, wholes = [], []
     for i, (shape, placement, dtype) in enumerate(cases):
         generator = torch.Generator().manual_seed(500 + i)
@@ -173,11 +186,8 @@ def dtensor_checks(rank, world, device):
             p.grad = distribute_tensor(grads[step].to(device), mesh, p.placements)
         optimizer.step()
     for p, (shape, placement, dtype), (whole, grads) in zip(params, cases, wholes):
-        w_ref, m_ref = whole.double(), torch.zeros(shape, dtype=torch.float64)
-        for step, lr in enumerate(lrs):
-            w_ref, m_ref = reference.muon_step(w_ref, grads[step], m_ref, lr=lr, weight_decay=0.1)
-        error = reference.relative_error(p.full_tensor().cpu(), w_ref)
-        record(f"DTensor {shape[0]}x{shape[1]} {placement} {str(dtype)[6:]} on {world} GPU(s), rank 0's "
+        error = reference.relative_error(p.full_tensor().cpu(), reference_steps(whole, grads, lrs))
+        record(f"DTensor {'x'.join(map(str, shape))} {placement} {str(dtype)[6:]} on {world} GPU(s), rank 0's "
                f"piece {tuple(p.to_local().shape)}", error < tolerance[dtype],
                f"error {error:.2e} (tolerance {tolerance[dtype]:.0e})")
     ns = st.NewtonSchulz()
