@@ -15,9 +15,9 @@ group), 1 (row-parallel: columns split), or -1 (replicated). Shards may be uneve
 are exchanged once. In a group of one, every parameter is whole.
 
 A DTensor parameter (torchtitan, FSDP2, PyTorch's tensor parallelism) carries its own split:
-its placements say which dim is cut over which mesh dimension, whose process group the step
-then uses (see ``_dtensor``; the ``process_group`` and group ``partition_dim`` options are for
-plain tensors). Its momentum buffer is a DTensor of the same placements, so that
+its placements say which dims are cut over which mesh dimensions, and the step uses the
+process group of those dimensions' ranks (see ``_dtensor``; the ``process_group`` and group
+``partition_dim`` options are for plain tensors). Its momentum buffer is a DTensor of the same placements, so that
 ``torch.distributed.checkpoint`` saves and reshards the state. Parameters over several process
 groups are stepped in one library call per group: the arguments of all of them are checked
 before the first, but an error the library finds in one group's call (ranks that disagree, a
@@ -718,7 +718,8 @@ class NewtonSchulz:
     default: even); ``partition_dim=None`` means every rank holds the whole matrix.
 
     ``ns(dtensor)`` takes a 2D DTensor instead: its placements give the split and the process
-    group (its mesh dimension's), and each call exchanges the pieces' extents over that group.
+    group (its cut mesh dimensions'), and each call exchanges the pieces' extents over that
+    group.
     """
 
     def __init__(self, process_group=None, *, ns_steps: int = 5, coefficient_type: str = "quintic",

@@ -53,5 +53,20 @@ def muon_step(w, g, m, *, lr, momentum=0.95, nesterov=True, weight_decay=0.01, m
     return w, m
 
 
+def muon_steps(w, grads, lrs, *, row_blocks=1, **options):
+    """len(lrs) steps from zero momentum; returns the new w. Expert by expert for a 3D stack,
+    block by block for a fused 2D weight of row_blocks stacked matrices."""
+    if row_blocks > 1:
+        rows, cols = w.shape
+        blocks = [x.reshape(row_blocks, rows // row_blocks, cols) for x in [w] + list(grads)]
+        return muon_steps(blocks[0], blocks[1:], lrs, **options).reshape(rows, cols)
+    if w.ndim == 3:
+        return torch.stack([muon_steps(w[e], [g[e] for g in grads], lrs, **options) for e in range(w.shape[0])])
+    w, m = w.double(), torch.zeros(w.shape, dtype=torch.float64)
+    for g, lr in zip(grads, lrs):
+        w, m = muon_step(w, g, m, lr=lr, **options)
+    return w
+
+
 def relative_error(x, reference):
     return ((x.double() - reference.double()).norm() / reference.double().norm()).item()

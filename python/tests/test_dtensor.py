@@ -59,19 +59,8 @@ def random_matrices(seed, shape, dtype, count):
 
 
 def reference_steps(weight, grads, row_blocks=1):
-    """The float64 reference after len(grads) steps, expert by expert for a 3D weight, block
-    by block for a fused 2D weight of row_blocks stacked matrices."""
-    if row_blocks > 1:
-        rows, cols = weight.shape
-        stacked = reference_steps(weight.reshape(row_blocks, rows // row_blocks, cols),
-                                  [g.reshape(row_blocks, rows // row_blocks, cols) for g in grads])
-        return stacked.reshape(rows, cols)
-    if weight.ndim == 3:
-        return torch.stack([reference_steps(weight[e], [g[e] for g in grads]) for e in range(weight.shape[0])])
-    w, m = weight.double(), torch.zeros_like(weight, dtype=torch.float64)
-    for lr, g in zip(LEARNING_RATES, grads):
-        w, m = reference.muon_step(w, g, m, lr=lr, weight_decay=0.1)
-    return w
+    """The float64 reference after len(grads) steps of LEARNING_RATES."""
+    return reference.muon_steps(weight, grads, LEARNING_RATES, row_blocks=row_blocks, weight_decay=0.1)
 
 
 def run_steps(optimizer, params, grads_of):

@@ -8,8 +8,8 @@ the learning rate changed every step, against the float64 reference on the whole
 a parameter without gradient; the errors for a CPU/CUDA mix and for a gloo group.
 On 1 GPU: against torch.optim.Muon where the settings coincide. On both: DTensor parameters
 and NewtonSchulz on a DTensor, on a CUDA device mesh of every rank (rows and columns split by
-DTensor's own chunking, replicated, and an expert stack's rows), against the reference. Prints one line per check and
-a summary; exits 1 if any failed.
+DTensor's own chunking, replicated, and an expert stack's rows), against the reference.
+Prints one line per check and a summary; exits 1 if any failed.
 """
 
 import math
@@ -149,16 +149,6 @@ def sharded_checks(rank, world, device):
         record("gloo group with CUDA tensors raises", "NCCL" in str(error), f"({error})")
 
 
-def reference_steps(whole, grads, lrs):
-    """The float64 reference after len(lrs) steps, expert by expert for a 3D stack."""
-    if whole.ndim == 3:
-        return torch.stack([reference_steps(whole[e], [g[e] for g in grads], lrs) for e in range(whole.shape[0])])
-    w, m = whole.double(), torch.zeros(whole.shape, dtype=torch.float64)
-    for grad, lr in zip(grads, lrs):
-        w, m = reference.muon_step(w, grad, m, lr=lr, weight_decay=0.1)
-    return w
-
-
 def dtensor_checks(rank, world, device):
     """DTensor parameters on a 1D CUDA mesh over NCCL (on one GPU, a mesh of one rank). An
     expert stack with every expert's rows split is redistributed to columns first (DTensor's
@@ -186,7 +176,8 @@ def dtensor_checks(rank, world, device):
             p.grad = distribute_tensor(grads[step].to(device), mesh, p.placements)
         optimizer.step()
     for p, (shape, placement, dtype), (whole, grads) in zip(params, cases, wholes):
-        error = reference.relative_error(p.full_tensor().cpu(), reference_steps(whole, grads, lrs))
+        expected = reference.muon_steps(whole, grads, lrs, weight_decay=0.1)
+        error = reference.relative_error(p.full_tensor().cpu(), expected)
         record(f"DTensor {'x'.join(map(str, shape))} {placement} {str(dtype)[6:]} on {world} GPU(s), rank 0's "
                f"piece {tuple(p.to_local().shape)}", error < tolerance[dtype],
                f"error {error:.2e} (tolerance {tolerance[dtype]:.0e})")
