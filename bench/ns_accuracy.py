@@ -62,8 +62,8 @@ def main():
     rows, cols = (int(x) for x in args.shape.split("x"))
     generator = torch.Generator().manual_seed(args.seed)
     dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
-    print(f"| spectrum | dtype | schedule | standard | (e) | (e) / standard |")
-    print(f"|---|---|---|---|---|---|")
+    print("| spectrum | dtype | schedule | standard | (e) | (e) / standard |")
+    print("|---|---|---|---|---|---|")
     for name, matrix in spectra(rows, cols, generator).items():
         for label, dtype in dtypes.items():
             for schedule, steps in (("quintic", 5), ("polar_express", 8)):

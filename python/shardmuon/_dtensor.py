@@ -30,6 +30,7 @@ pieces as a plain split in its group's rank order. Only a fused weight's row blo
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple, Optional
 
 import torch.distributed as dist
@@ -202,6 +203,16 @@ def redistributed(tensor, placements):
         return copy
     return DTensor.from_local(local.contiguous(), tensor.device_mesh, placements, run_check=False,
                               shape=tensor.shape, stride=tensor.stride())
+
+
+def piece_bytes(tensor, placements) -> int:
+    """The bytes of a rank's share of ``tensor`` under ``placements``: its size over the
+    number of pieces the Shard placements cut it into, rounded up (the pieces of an uneven cut
+    differ by a row or a column). From the global shape, so every rank finds the same."""
+    mesh = tensor.device_mesh
+    pieces = math.prod(mesh.size(mesh_dim) for mesh_dim, placement in enumerate(placements)
+                       if not placement.is_replicate())
+    return -(-tensor.numel() // pieces) * tensor.element_size()
 
 
 def write_into(destination, source) -> None:

@@ -21,21 +21,23 @@ process group of those dimensions' ranks (see ``_dtensor``; the ``process_group`
 ``torch.distributed.checkpoint`` saves and reshards the state. Parameters over several process
 groups are stepped in one library call per group: the arguments of all of them are checked
 before the first, but an error the library finds in one group's call (ranks that disagree, a
-timeout) leaves the parameters of the groups before it stepped.
+timeout) leaves the parameters of the groups before it stepped. Parameters that must be
+redistributed first (rows and columns cut over different mesh dimensions, as FSDP2 over a
+row-parallel layer) join their group's call through copies, at most ``redistribution_bytes``
+of them per rank at a time (parameter, gradient and momentum; default 1 GiB); the parameters
+beyond that go to further calls over the same group.
 """
 
 from __future__ import annotations
 
 import ctypes
-import itertools
-import math
 from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from . import _capi as c
-from ._dtensor import describe, is_dtensor, local_tensor, redistributed, sharding, write_into
+from ._dtensor import describe, is_dtensor, local_tensor, piece_bytes, redistributed, sharding, write_into
 from ._runtime import Runtimes, group_rank, group_size, normalize_group
 
 __all__ = ["Muon", "MuonWithAdamW", "NewtonSchulz", "muon_param_groups", "load_resharded_state_dict"]
@@ -123,6 +125,8 @@ class Muon(torch.optim.Optimizer):
     Every rank of the group constructs the optimizer over its own shards of the same
     parameters in the same order and calls ``step`` together. A parameter whose ``grad`` is
     None is skipped on every rank (it must be None on all of them; the library checks).
+    ``redistribution_bytes`` bounds the copies a step holds at a time of the DTensor
+    parameters it redistributes (see the module's note).
     """
 
     def __init__(
@@ -144,6 +148,7 @@ class Muon(torch.optim.Optimizer):
         process_group=None,
         partition_dim: Optional[int] = None,
         algorithm: str = "auto",
+        redistribution_bytes: int = 1 << 30,
     ):
         if weight_decay_mode is not None and use_decoupled_weight_decay is not None:
             implied = "decoupled" if use_decoupled_weight_decay else "l2"
@@ -160,6 +165,10 @@ class Muon(torch.optim.Optimizer):
             partition_dim=partition_dim, algorithm=algorithm,
         )
         _check_hyperparameters(defaults, "Muon")
+        if isinstance(redistribution_bytes, bool) or not isinstance(redistribution_bytes, int) \
+                or redistribution_bytes < 0:
+            raise ValueError(f"Muon: redistribution_bytes must be a non-negative int, got {redistribution_bytes!r}")
+        self._redistribution_bytes = redistribution_bytes
         super().__init__(params, defaults)  # checks each group (add_param_group)
         self.process_group = normalize_group(process_group)
         self._runtimes = Runtimes()
@@ -349,29 +358,60 @@ class Muon(torch.optim.Optimizer):
 
     def _calls(self, entries, device):
         """The library calls of a step over `entries`, in the same order on every rank (each
-        rank lists the same parameters): (entries, step arguments, write_back). One call per
-        process group of the parameters the library takes as they are, in the order the groups
-        first appear, their arguments built and checked here, before any call; then one per
-        regrouped parameter, whose copies are made just before its own call (they live only
-        for it; the redistribution is a collective) and whose write_back() puts the results in
-        place. Its momentum buffer is checked here too."""
+        rank lists the same parameters): (entries, step arguments, write_backs). One call per
+        process group, in the order the groups first appear, over all its parameters, so that
+        the owners share out all of the group's matrices. The arguments of the parameters the
+        library takes as they are are built and checked here, before any call, and so are the
+        regrouped parameters' momentum buffers. The regrouped parameters' copies (see
+        _regrouped) are made just before their call: the redistribution is a collective, and
+        the copies live only for the call. They may hold at most `redistribution_bytes` per
+        rank at a time; the regrouped parameters beyond that go to further calls over the same
+        group. After a call, each write_back() puts a copy's results in place."""
         buckets: Dict[Any, list] = {}
         for e in entries:
-            if e["regroup"] is None:
-                buckets.setdefault(e["process_group"], []).append(e)
-        ready = [(bucket, self._step_arguments(bucket, device, process_group), None)
-                 for process_group, bucket in buckets.items()]
-        regrouped = [e for e in entries if e["regroup"] is not None]
-        for e in regrouped:
-            if e["grad"] is not None:
-                self._momentum(e["param"], e["local"], e["name"])
-
-        def later():
+            buckets.setdefault(e["process_group"], []).append(e)
+        prepared = []
+        for process_group, bucket in buckets.items():
+            as_is = [e for e in bucket if e["regroup"] is None]
+            regrouped = [e for e in bucket if e["regroup"] is not None]
             for e in regrouped:
-                entry, write_back = self._regrouped(e)
-                yield [entry], self._step_arguments([entry], device, entry["process_group"]), write_back
+                if e["grad"] is not None:
+                    self._momentum(e["param"], e["local"], e["name"])
+            indices = sorted({e["group"] for e in bucket})
+            prepared.append((process_group, as_is, self._step_arguments(as_is, device, process_group, indices),
+                             self._redistribution_runs(regrouped)))
 
-        return itertools.chain(ready, later())
+        def calls():
+            for process_group, as_is, (context, comm, params, groups, keepalive), runs in prepared:
+                for run in runs:
+                    copies, write_backs = [], []
+                    for e in run:
+                        entry, write_back = self._regrouped(e)
+                        copies.append(entry)
+                        write_backs.append(write_back)
+                    if copies:
+                        more = self._param_structs(copies, device, process_group, keepalive)
+                        params = (c.MuonParam * (len(params) + len(more)))(*params, *more)
+                    yield as_is + copies, (context, comm, params, groups, keepalive), write_backs
+                    as_is, params = [], []  # stepped by the first call
+
+        return calls()
+
+    def _redistribution_runs(self, regrouped):
+        """The regrouped entries of one process group cut into runs whose copies (parameter,
+        gradient and momentum) take at most `redistribution_bytes` on a rank, at least one
+        entry each; one empty run where there are none. Sized by the global shapes, so every
+        rank cuts the same runs."""
+        runs, run, held = [], [], 0
+        for e in regrouped:
+            size = 3 * piece_bytes(e["param"], e["regroup"])
+            if run and held + size > self._redistribution_bytes:
+                runs.append(run)
+                run, held = [], 0
+            run.append(e)
+            held += size
+        runs.append(run)
+        return runs
 
     @staticmethod
     def _device(entries) -> torch.device:
@@ -442,15 +482,15 @@ class Muon(torch.optim.Optimizer):
         # One call per process group (DTensor parameters may live on several mesh dimensions);
         # a non-finite gradient skips the parameters of its own call. The calls' arguments are
         # built and checked before the first call, so that an error found here steps none;
-        # a regrouped parameter's copies are made just before its own call (see _calls).
-        for bucket, arguments, write_back in self._calls(entries, device):
+        # regrouped parameters' copies are made just before their call (see _calls).
+        for bucket, arguments, write_backs in self._calls(entries, device):
             # keepalive: what params and groups point into, alive until the call returns.
             context, comm, params, groups, keepalive = arguments
             status = c.lib.shardmuon_muon_step(context.handle, comm.handle, params, len(bucket), groups,
                                                len(self.param_groups), stream)
             comm.raise_callback_error()
             c.check(status)
-            if write_back is not None:
+            for write_back in write_backs:
                 write_back()
 
     @torch.no_grad()
@@ -516,20 +556,24 @@ class Muon(torch.optim.Optimizer):
                              f"piece), got {got}")
         return buffer
 
-    def _step_arguments(self, entries, device, process_group):
-        """The runtime and the C arrays of a step over `entries`, all over `process_group` (and
-        what must outlive them)."""
+    def _step_arguments(self, entries, device, process_group, group_indices):
+        """The runtime and the C arrays of a step over `entries`, all over `process_group`, with
+        the param groups `group_indices` filled in (and what must outlive the arrays)."""
         context, comm = self._runtimes.get(device, process_group)
-        self._gather_shard_sizes(entries, device, process_group)
-        rank = group_rank(process_group)
-
         keepalive = []
         groups = (c.MuonGroup * len(self.param_groups))()
         for index, group in enumerate(self.param_groups):
-            if index in {e["group"] for e in entries}:
+            if index in group_indices:
                 groups[index] = self._group_struct(group, keepalive, device, index)
-            else:  # a group this class does not step (AdamW's): any valid values
+            else:  # a group this call does not step (AdamW's, or another call's): any valid values
                 c.check(c.lib.shardmuon_muon_group_default(ctypes.byref(groups[index])))
+        return context, comm, self._param_structs(entries, device, process_group, keepalive), groups, keepalive
+
+    def _param_structs(self, entries, device, process_group, keepalive):
+        """The C array of the parameters `entries`, split over `process_group` (the shard sizes
+        of those not seen before are exchanged first); what it points to goes in keepalive."""
+        self._gather_shard_sizes(entries, device, process_group)
+        rank = group_rank(process_group)
         params = (c.MuonParam * len(entries))()
         for i, e in enumerate(entries):
             param, local, grad = e["param"], e["local"], e["grad"]
@@ -571,7 +615,7 @@ class Muon(torch.optim.Optimizer):
                     p.layout = c.Layout(sum(sizes), cols, c.SHARDED_DIM0, len(sizes), array)
                 else:
                     p.layout = c.Layout(rows, sum(sizes), c.SHARDED_DIM1, len(sizes), array)
-        return context, comm, params, groups, keepalive
+        return params
 
 
 class MuonWithAdamW(Muon):

@@ -24,7 +24,7 @@ TOLERANCE = {torch.float64: 1e-11, torch.float32: 2e-5, torch.bfloat16: 3e-2}
 
 def _sharded_steps(rank, world, skip_last, algorithm="auto"):
     generator = torch.Generator().manual_seed(7)
-    wholes, params, grads_all = [], [], []
+    wholes, params = [], []
     for rows, cols, dim, dtype in PARAMETERS:
         w = (0.05 * torch.randn(rows, cols, generator=generator, dtype=torch.float64)).to(dtype)
         g = [torch.randn(rows, cols, generator=generator, dtype=torch.float64).to(dtype) for _ in range(3)]

@@ -16,7 +16,6 @@ import inspect
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import reference
 import shardmuon.torch as st
@@ -147,8 +146,9 @@ def placements_of(codes):
     return [Replicate() if code == "R" else Shard(int(code[1])) for code in codes]
 
 
-def parameters_of(mesh, cases, seed):
-    """The whole matrices and DTensor parameters of `cases` (as TWO_DIM), and the optimizer."""
+def parameters_of(mesh, cases, seed, **options):
+    """The whole matrices and DTensor parameters of `cases` (as TWO_DIM), and the optimizer
+    (Muon with `options`)."""
     wholes, params, grads = [], [], []
     for i, (shape, codes, row_blocks, _, _) in enumerate(cases):
         weight, g = random_matrices(seed + i, shape, torch.float64, len(LEARNING_RATES))
@@ -157,7 +157,21 @@ def parameters_of(mesh, cases, seed):
         params[-1].muon_row_blocks = row_blocks
         grads.append([distribute(x, mesh, placements) for x in g])
         wholes.append((weight, g, placements, row_blocks))
-    return wholes, params, grads, st.Muon(params, lr=LEARNING_RATES[0], weight_decay=0.1)
+    return wholes, params, grads, st.Muon(params, lr=LEARNING_RATES[0], weight_decay=0.1, **options)
+
+
+def counting_step_calls():
+    """From now on in this process, the number of parameters of each library step call."""
+    from shardmuon import _capi
+    step = _capi.lib.shardmuon_muon_step
+    calls = []
+
+    def counted(*arguments):
+        calls.append(arguments[3])
+        return step(*arguments)
+
+    _capi.lib.shardmuon_muon_step = counted
+    return calls
 
 
 def check_plan(optimizer, params, cases):
@@ -169,15 +183,16 @@ def check_plan(optimizer, params, cases):
         assert (entry["group_size"], entry["redistributed"]) == (ranks, expected), (shape, codes, entry)
 
 
-def steps_match_the_reference(rank, mesh, cases, seed):
-    """Three steps of Muon on DTensors of `cases` against the float64 reference, after
-    check_plan."""
-    wholes, params, grads, optimizer = parameters_of(mesh, cases, seed)
+def steps_match_the_reference(rank, mesh, cases, seed, **options):
+    """Three steps of Muon (with `options`) on DTensors of `cases` against the float64
+    reference, after check_plan; returns the optimizer and the parameters."""
+    wholes, params, grads, optimizer = parameters_of(mesh, cases, seed, **options)
     check_plan(optimizer, params, cases)
     run_steps(optimizer, params, lambda i, step: grads[i][step])
     expected = [distribute(reference_steps(weight, g, row_blocks), mesh, placements).to_local()
                 for weight, g, placements, row_blocks in wholes]
     check_pieces(params, expected.__getitem__, [torch.float64] * len(params), rank)
+    return optimizer, params
 
 
 def _two_dim_mesh(rank, world):
@@ -186,6 +201,35 @@ def _two_dim_mesh(rank, world):
 
 def test_two_dim_mesh_matches_the_whole_matrix_reference():
     launch(_two_dim_mesh, 4)
+
+
+# Four weights of FSDP2 over row-parallel layers, redistributed, and one split over both mesh
+# dimensions as it is: all over the world's 4 ranks. A copy (parameter, gradient, momentum)
+# takes 3 x 24 x 20 x 8 / 4 = 2880 bytes on a rank.
+TOGETHER = [((24, 20), ("S0", "S1"), 1, 4, ("S0", "S0"))] * 4 + [((24, 20), ("S0", "S0"), 1, 4, None)]
+
+
+def _redistributed_together(rank, world):
+    """The parameters a step redistributes join their group's one library call, so that the
+    owners share out all of its matrices, in runs of at most redistribution_bytes of copies."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    calls = counting_step_calls()
+    for budget, per_step in [(1 << 30, [5]), (5760, [3, 2]), (0, [2, 1, 1, 1])]:
+        for algorithm in ["auto", "owner"]:
+            calls.clear()
+            optimizer, params = steps_match_the_reference(rank, mesh, TOGETHER, 600, algorithm=algorithm,
+                                                          redistribution_bytes=budget)
+            assert calls == per_step * len(LEARNING_RATES), (budget, algorithm, calls)
+            plan = optimizer.plan()  # with gradients: those without take no part in the owners
+            owners = [plan[optimizer._name(p, 0, i)]["owner"] for i, p in enumerate(params)]
+            if algorithm == "owner" and budget == 1 << 30:  # all five in one call: shared out
+                assert sorted(set(owners)) == [0, 1, 2, 3], owners
+            if algorithm == "owner" and budget == 0:  # the last three alone in their calls
+                assert owners[1] == owners[2] == owners[3], owners
+
+
+def test_redistributed_parameters_join_their_groups_call():
+    launch(_redistributed_together, 4)
 
 
 # On a 2 x 2 mesh laid out [[2, 0], [3, 1]]: the pieces along tp and over the whole mesh are
@@ -456,6 +500,7 @@ def _fsdp2_with_tensor_parallelism(rank, world):
     references = [(p.detach().clone(), torch.zeros_like(p)) for p in whole_model.parameters()]
     generator = torch.Generator().manual_seed(1)
     dp_rank = mesh["dp"].get_local_rank()
+    calls = counting_step_calls()
     for step in range(2):
         batches = [torch.randn(8, 13, generator=generator, dtype=torch.float64) for _ in range(2)]
         model(batches[dp_rank]).square().mean().backward()
@@ -468,6 +513,7 @@ def _fsdp2_with_tensor_parallelism(rank, world):
         with torch.no_grad():
             for p, (w, _) in zip(whole_model.parameters(), references):
                 p.copy_(w)
+    assert calls == [2, 2], calls  # both weights in one call a step
     for p, (w, _) in zip(model.parameters(), references):
         error = reference.relative_error(p.full_tensor(), w)
         assert error < 1e-11, (rank, tuple(p.shape), p.placements, error)

@@ -4,11 +4,13 @@ PyTorch 1.13 has no DTensor) checks every decision of _dtensor.sharding: which g
 dim, and what to redistribute to first. test_dtensor.py runs the same layouts for real on
 PyTorch 2.x, against the float64 reference."""
 
+import math
 import types
 
 import pytest
 import torch
 
+import shardmuon.torch as st
 from shardmuon import _dtensor
 
 
@@ -102,6 +104,12 @@ class FakeDTensor:
 
     def to_local(self):  # only a 3D stack's experts are read: two on each rank here
         return torch.empty(2, *self.shape[1:]) if self.ndim == 3 else torch.empty(0)
+
+    def numel(self):
+        return math.prod(self.shape)
+
+    def element_size(self):  # float64
+        return 8
 
 
 @pytest.fixture
@@ -220,3 +228,27 @@ def test_partial_placements_and_other_shapes_are_refused(world):
         decide(square, (8, 6), ("R", "P"))
     with pytest.raises(ValueError, match="w: a DTensor Muon parameter is 2D or 3D"):
         decide(square, (2, 3, 4, 5), ("R", "S0"))
+
+
+def test_redistributed_copies_are_cut_into_runs_under_the_byte_budget(world):
+    """A step redistributes the parameters of a group that need it in runs whose copies
+    (parameter, gradient and momentum) fit Muon's redistribution_bytes, at least one each;
+    sized by global shapes, so that every rank cuts the same runs."""
+    square = FakeMesh([[0, 1], [2, 3]], 1)
+    rows = placements_of(["S0", "S0"])
+    # 24 x 20 float64 over 4 pieces: 960 bytes each; gathered over dp (tp's pieces): 1920;
+    # 25 x 21 over 4: 131.25 elements, rounded up.
+    assert _dtensor.piece_bytes(FakeDTensor((24, 20), square, rows), rows) == 960
+    assert _dtensor.piece_bytes(FakeDTensor((24, 20), square, rows), placements_of(["R", "S1"])) == 1920
+    assert _dtensor.piece_bytes(FakeDTensor((25, 21), square, rows), rows) == 132 * 8
+    assert _dtensor.piece_bytes(FakeDTensor((24, 20), square, rows), placements_of(["R", "R"])) == 3840
+    entries = [{"param": FakeDTensor(shape, square, rows), "regroup": rows}
+               for shape in [(24, 20), (24, 20), (48, 20), (24, 20), (12, 20)]]
+    copies = [2880, 2880, 5760, 2880, 1440]  # 3 x a piece
+    for budget, runs in [(1 << 30, [[0, 1, 2, 3, 4]]), (5760, [[0, 1], [2], [3, 4]]),
+                         (8640, [[0, 1], [2, 3], [4]]), (0, [[0], [1], [2], [3], [4]])]:
+        optimizer = st.Muon([torch.zeros(2, 2)], redistribution_bytes=budget)
+        cut = optimizer._redistribution_runs(entries)
+        assert [[entries.index(e) for e in run] for run in cut] == runs, budget
+        assert all(sum(copies[entries.index(e)] for e in run) <= budget for run in cut if len(run) > 1)
+    assert optimizer._redistribution_runs([]) == [[]]  # one call for the group's other parameters

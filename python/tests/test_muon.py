@@ -234,6 +234,9 @@ def test_bad_inputs_name_the_parameter():
         st.Muon([weight], lr=-1.0)
     with pytest.raises(ValueError, match="contradicts"):
         st.Muon([weight], use_decoupled_weight_decay=True, weight_decay_mode="l2")
+    for budget in [-1, 1.5, True, "1GiB"]:
+        with pytest.raises(ValueError, match=f"redistribution_bytes must be a non-negative int, got {budget!r}"):
+            st.Muon([weight], redistribution_bytes=budget)
 
     # Flat (ZeRO-style) shards: a 1D tensor with the matrix's shape beside it.
     flat = torch.nn.Parameter(torch.randn(24))

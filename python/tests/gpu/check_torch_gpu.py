@@ -12,7 +12,6 @@ DTensor's own chunking, replicated, and an expert stack's rows), against the ref
 Prints one line per check and a summary; exits 1 if any failed.
 """
 
-import math
 import os
 import sys
 
@@ -22,7 +21,6 @@ import torch.distributed as dist
 sys.path[:0] = [os.path.join(os.path.dirname(__file__), ".."), os.path.join(os.path.dirname(__file__), "..", "..")]
 import reference  # noqa: E402
 from processes import shard_of, split  # noqa: E402
-import shardmuon  # noqa: E402
 import shardmuon.torch as st  # noqa: E402
 
 results = []
