@@ -66,6 +66,7 @@ class Sharding(NamedTuple):
     dim: Optional[int]  # the tensor's dim cut over the group, or None: the group holds it whole
     experts: int  # experts of a 3D parameter on this rank (1 for a 2D parameter)
     regroup: Optional[tuple]  # placements to redistribute it to first, or None
+    note: Optional[str] = None  # why a split is gathered, and how to avoid it (see _gathered)
 
 
 class _Missing:
@@ -115,7 +116,9 @@ def sharding(tensor, name: str, row_blocks: int = 1) -> Sharding:
         return Sharding(LOCAL, None, experts, None)
     group = _group_over(mesh, sorted(cuts))
     if group is _MISSING:
-        return _gathered(tensor, cuts, experts, experts_split, row_blocks)
+        how = _gathered(tensor, cuts, experts, experts_split, row_blocks)
+        gathered = [mesh_dim for mesh_dim in sorted(cuts) if how.regroup[mesh_dim].is_replicate()]
+        return how._replace(note=_gather_note(mesh, sorted(cuts), gathered))
     columns = tensor.ndim - 1  # the dim of the columns (of every expert, in a stack)
     dims = set(cuts.values())
     if len(dims) == 1:
@@ -192,6 +195,24 @@ def _gathered(tensor, cuts, experts, experts_split, row_blocks) -> Sharding:
     if mesh.ndim == 1 and not experts_split:
         return Sharding(normalize_group(mesh.get_group(0)), None, experts, regroup)
     return Sharding(LOCAL, None, experts, regroup)
+
+
+def _gather_note(mesh, cut_dims, gathered_dims) -> str:
+    """Why a split over ``cut_dims`` is gathered over ``gathered_dims``, and the call that
+    avoids it (the front end warns with it once)."""
+    names = getattr(mesh, "mesh_dim_names", None)
+
+    def label(mesh_dims):
+        return ", ".join(repr(names[d]) if names else f"mesh dimension {d}" for d in mesh_dims)
+
+    ranks = math.prod(mesh.size(d) for d in cut_dims)
+    flatten = (f"mesh[{label(cut_dims)}]._flatten()" if names else
+               "DeviceMesh._flatten() on the submesh of those dimensions")
+    return (f"it is cut over the mesh dimensions {label(cut_dims)} ({ranks} ranks), which no process "
+            "group holds (they do not span the world, and no DeviceMesh._flatten() group over exactly "
+            f"them was found), so it is gathered over {label(gathered_dims)} and the ranks along it "
+            f"repeat its orthogonalization. To step it over all {ranks} ranks, flatten those "
+            f"dimensions once, on every rank, before the first step: {flatten}")
 
 
 def redistributed(tensor, placements):

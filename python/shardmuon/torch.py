@@ -31,6 +31,7 @@ beyond that go to further calls over the same group.
 from __future__ import annotations
 
 import ctypes
+import warnings
 from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 import torch
@@ -173,6 +174,7 @@ class Muon(torch.optim.Optimizer):
         self.process_group = normalize_group(process_group)
         self._runtimes = Runtimes()
         self._shard_sizes: Dict[int, List[int]] = {}
+        self._gather_notes = set()  # the ones warned of (see _dtensor_entry)
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         """torch.optim's, and the group's values checked: a bad one raises a ValueError naming
@@ -267,6 +269,10 @@ class Muon(torch.optim.Optimizer):
             dim = tensor_dim
         extent = None if tensor_dim is None else local.shape[tensor_dim]
         row_blocks = experts if param.ndim == 3 else blocks
+        if how.note is not None and how.note not in self._gather_notes:
+            self._gather_notes.add(how.note)  # once: the same for every parameter cut so
+            warnings.warn(f"Muon: {name} (and any other parameter cut the same way): {how.note}",
+                          stacklevel=2)
         return process_group, dim, shape, extent, row_blocks, how.regroup
 
     def _regrouped(self, e):
@@ -360,13 +366,13 @@ class Muon(torch.optim.Optimizer):
         """The library calls of a step over `entries`, in the same order on every rank (each
         rank lists the same parameters): (entries, step arguments, write_backs). One call per
         process group, in the order the groups first appear, over all its parameters, so that
-        the owners share out all of the group's matrices. The arguments of the parameters the
-        library takes as they are are built and checked here, before any call, and so are the
-        regrouped parameters' momentum buffers. The regrouped parameters' copies (see
-        _regrouped) are made just before their call: the redistribution is a collective, and
-        the copies live only for the call. They may hold at most `redistribution_bytes` per
-        rank at a time; the regrouped parameters beyond that go to further calls over the same
-        group. After a call, each write_back() puts a copy's results in place."""
+        the owners share out all of the group's matrices. Built and checked here, before any
+        call: the arguments of the parameters the library takes as they are, and the momentum
+        buffers of the regrouped ones. The regrouped parameters' copies (see _regrouped) are
+        made just before their call: the redistribution is a collective, and the copies live
+        only for the call. They may hold at most `redistribution_bytes` per rank at a time;
+        the regrouped parameters beyond that go to further calls over the same group. After a
+        call, each write_back() puts a copy's results in place."""
         buckets: Dict[Any, list] = {}
         for e in entries:
             buckets.setdefault(e["process_group"], []).append(e)

@@ -13,6 +13,7 @@ run on the lent GPU machine's PyTorch (docs/GPU_RUNS.md)."""
 
 import copy
 import inspect
+import warnings
 
 import pytest
 import torch
@@ -274,7 +275,15 @@ def _submesh(rank, world, flattened):
     mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
     if flattened:
         mesh["dp", "tp"]._flatten()
-    steps_match_the_reference(rank, mesh["dp", "tp"], SUBMESH[flattened], 500)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        steps_match_the_reference(rank, mesh["dp", "tp"], SUBMESH[flattened], 500)
+    # Where it gathers, one warning (for both parameters) names the call that avoids it.
+    notes = [str(w.message) for w in caught if "_flatten()" in str(w.message)]
+    assert len(notes) == (0 if flattened else 1), notes
+    if not flattened:
+        assert notes[0].startswith("Muon: param_groups[0]['params'][0] (shape (41, 35)"), notes
+        assert notes[0].endswith("mesh['dp', 'tp']._flatten()"), notes
 
 
 @pytest.mark.parametrize("flattened", [False, True])

@@ -81,6 +81,7 @@ class FakeMesh:
         self.mesh, self.me, self.root = torch.as_tensor(ranks), me, root
         self.ndim = self.mesh.ndim
         self._flatten_mapping = {}
+        self.mesh_dim_names = None
 
     def size(self, dim):
         return self.mesh.shape[dim]
@@ -213,6 +214,22 @@ def test_a_submesh_takes_a_flattened_group_or_gathers(world, flattened):
     half = FakeMesh(root.mesh[1], 5, root)
     for shape, codes, row_blocks, expected in SUBMESH[flattened]:
         assert decide(half, shape, codes, row_blocks) == expected, (shape, codes)
+    # Where it gathers, a note says why and how to avoid it (the front end warns with it).
+    half.mesh_dim_names = ("dp", "tp")
+    notes = [_dtensor.sharding(FakeDTensor(shape, half, placements_of(codes)), "w", row_blocks).note
+             for shape, codes, row_blocks, _ in SUBMESH[flattened]]
+    if flattened:
+        assert notes == [None] * 5, notes
+    else:
+        assert notes[4] is None  # one cut: its mesh dimension's group
+        for note in notes[:4]:
+            assert "mesh dimensions 'dp', 'tp' (4 ranks)" in note and "gathered over 'dp'" in note, note
+            assert note.endswith("before the first step: mesh['dp', 'tp']._flatten()"), note
+    half.mesh_dim_names = None
+    if not flattened:
+        note = _dtensor.sharding(FakeDTensor((41, 35), half, placements_of(["S0", "S1"])), "w").note
+        assert "mesh dimensions mesh dimension 0, mesh dimension 1" in note and "gathered over mesh dimension 0" in note
+        assert note.endswith("DeviceMesh._flatten() on the submesh of those dimensions"), note
 
 
 def test_a_one_dim_mesh_holds_a_replicated_parameter_over_its_group(world):
