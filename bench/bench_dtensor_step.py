@@ -9,7 +9,13 @@ the mesh's every rank. Compares, in the same run on the same inputs:
   - the default budget (1 GiB): they join the one call of the group, so that the planner
     shares out all of its matrices (owners).
 
+With --pp P > 1 the mesh is (pp, dp, tp) and the weights live on its (dp, tp) half (a
+pipeline stage's), whose ranks no process group holds: the step first gathers over dp and
+the dp ranks repeat the orthogonalization; then, after mesh["dp", "tp"]._flatten(), it steps
+over the (dp, tp) ranks again.
+
     torchrun --nproc_per_node=4 bench/bench_dtensor_step.py --device cpu --scale 16   # gloo
+    torchrun --nproc_per_node=8 bench/bench_dtensor_step.py --device cpu --scale 16 --pp 2
     torchrun --nproc_per_node=4 bench/bench_dtensor_step.py                         # 4 GPUs
 
 Per layer, Llama-3-8B's shapes over --scale: QKV 6144 x 4096, out 4096 x 4096, gate+up
@@ -26,6 +32,7 @@ import argparse
 import collections
 import os
 import sys
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -46,6 +53,7 @@ def main():
     parser.add_argument("--scale", type=int, default=1, help="divide every extent by this")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--mesh", default="2x2", help="dp x tp")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline stages (a mesh dimension before dp)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmups", type=int, default=2)
     args = parser.parse_args()
@@ -64,7 +72,8 @@ def main():
         torch.set_num_threads(1)
         dist.init_process_group("gloo")
     dp, tp = (int(x) for x in args.mesh.split("x"))
-    mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
+    root = init_device_mesh(device.type, (args.pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+    mesh = root["dp", "tp"]
     clock = Clock(device, world, args.warmups, args.repeats)
 
     # The same whole matrices on every rank (CPU generator), each rank keeps its pieces.
@@ -93,21 +102,29 @@ def main():
         if rank == 0:
             print(text, flush=True)
 
-    emit(f"# DTensor step: {args.layers} layers, {len(wholes)} weights, mesh {dp} x {tp} on "
+    emit(f"# DTensor step: {args.layers} layers, {len(wholes)} weights, mesh {args.pp} x {dp} x {tp} on "
          f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU (gloo)'}, {dtype}, "
          f"scale 1/{args.scale}")
     emit("")
-    emit("| redistribution_bytes | calls per step | plan | step (ms) | x separate calls | worst error vs float64 |")
-    emit("|---|---|---|---|---|---|")
+    emit("| (dp, tp) group | redistribution_bytes | calls per step | plan | step (ms) | x first row | "
+         "worst error vs float64 |")
+    emit("|---|---|---|---|---|---|---|")
     baseline = None
-    for budget in (0, 1 << 30):
+    runs = [("world", 0), ("world", 1 << 30)]
+    if args.pp > 1:
+        runs = [("none: gathered", 1 << 30), ("flattened", 0), ("flattened", 1 << 30)]
+    for group, budget in runs:
+        if group == "flattened" and not root._flatten_mapping:
+            mesh._flatten()  # every rank, before the optimizer looks for the group
         params = []
         for name, w, g, placements in wholes:
             p = torch.nn.Parameter(distribute_tensor(w.to(device), mesh, placements))
             p.grad = distribute_tensor(g.to(device), mesh, placements)
             params.append((name, p))
-        optimizer = st.Muon(params, lr=LR, weight_decay=WEIGHT_DECAY, redistribution_bytes=budget)
-        plan = collections.Counter(x["algorithm"] for x in optimizer.plan().values())
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the gathered split's note (the first row with --pp)
+            optimizer = st.Muon(params, lr=LR, weight_decay=WEIGHT_DECAY, redistribution_bytes=budget)
+            plan = collections.Counter(x["algorithm"] for x in optimizer.plan().values())
         calls.clear()
         optimizer.step()  # from zero momentum, as the reference
         per_step = len(calls)
@@ -116,8 +133,8 @@ def main():
         milliseconds = clock.median_ms(lambda: None, optimizer.step)
         baseline = baseline or milliseconds
         summary = ", ".join(f"{name} x {count}" for name, count in sorted(plan.items()))
-        emit(f"| {budget} | {per_step} | {summary} | {milliseconds:.2f} | {baseline / milliseconds:.2f} | "
-             f"{error:.2e} |")
+        emit(f"| {group} | {budget} | {per_step} | {summary} | {milliseconds:.2f} | "
+             f"{baseline / milliseconds:.2f} | {error:.2e} |")
     dist.destroy_process_group()
 
 
