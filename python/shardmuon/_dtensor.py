@@ -210,8 +210,8 @@ def _gather_note(mesh, cut_dims, gathered_dims) -> str:
                "DeviceMesh._flatten() on the submesh of those dimensions")
     return (f"it is cut over the mesh dimensions {label(cut_dims)} ({ranks} ranks), which no process "
             "group holds (they do not span the world, and no DeviceMesh._flatten() group over exactly "
-            f"them was found), so it is gathered over {label(gathered_dims)} and the ranks along it "
-            f"repeat its orthogonalization. To step it over all {ranks} ranks, flatten those "
+            f"them was found), so it is gathered over {label(gathered_dims)} and the ranks along "
+            f"{'it' if len(gathered_dims) == 1 else 'them'} repeat its orthogonalization. To step it over all {ranks} ranks, flatten those "
             f"dimensions once, on every rank, before the first step: {flatten}")
 
 
