@@ -230,6 +230,12 @@ def test_a_submesh_takes_a_flattened_group_or_gathers(world, flattened):
         note = _dtensor.sharding(FakeDTensor((41, 35), half, placements_of(["S0", "S1"])), "w").note
         assert "mesh dimensions mesh dimension 0, mesh dimension 1" in note and "gathered over mesh dimension 0" in note
         assert note.endswith("DeviceMesh._flatten() on the submesh of those dimensions"), note
+    # Gathered over two of three mesh dimensions (8 of 16 ranks): the last one is kept.
+    world(16)
+    cube = FakeMesh(torch.arange(8).reshape(2, 2, 2), 5)
+    how = _dtensor.sharding(FakeDTensor((41, 35), cube, placements_of(["S0", "S0", "S1"])), "w")
+    assert (how.process_group.ranks, how.dim) == ([4, 5], 1)
+    assert "gathered over mesh dimension 0, mesh dimension 1 and the ranks along them" in how.note, how.note
 
 
 def test_a_one_dim_mesh_holds_a_replicated_parameter_over_its_group(world):
