@@ -21,7 +21,9 @@ over the (dp, tp) ranks again.
 Per layer, Llama-3-8B's shapes over --scale: QKV 6144 x 4096, out 4096 x 4096, gate+up
 28672 x 4096, down 4096 x 14336 (bf16 on GPUs, float32 on the CPU). Times: one step, warm-ups,
 median over repeats, the slowest rank's (CUDA events on GPUs, the host clock on the CPU).
-Calls: the library step calls a step makes. Plan: the algorithms plan() chose. Error: after
+Calls: the library step calls a step makes. Plan: the algorithms plan() chose. Floor: the
+useful flops, K (4 s^2 L + 2 s^3) per matrix, over the (dp, tp) ranks at the GEMM rate
+measured at the start (a square product larger than the caches). Error: after
 one step from zero momentum, the worst relative Frobenius error over the weights against a
 float64 step of the whole matrices.
 """
@@ -102,13 +104,24 @@ def main():
         if rank == 0:
             print(text, flush=True)
 
+    # The floor: the useful Newton-Schulz flops, K (4 s^2 L + 2 s^3) per s x L matrix (s <= L),
+    # shared out evenly over the (dp, tp) ranks, at the GEMM rate of one rank measured here
+    # with every rank multiplying at once (on the CPU, one thread each, as in the step).
+    useful = sum(5 * (4 * min(w.shape) ** 2 * max(w.shape) + 2 * min(w.shape) ** 3) for _, w, _, _ in wholes)
+    side = 8192 if device.type == "cuda" else 2048  # larger than the caches
+    a = torch.randn(side, side, device=device).to(dtype)
+    gemm_rate = 2 * side ** 3 / (clock.median_ms(lambda: None, lambda: a @ a) * 1e-3)
+    floor_ms = useful / (dp * tp * gemm_rate) * 1e3
+
     emit(f"# DTensor step: {args.layers} layers, {len(wholes)} weights, mesh {args.pp} x {dp} x {tp} on "
          f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU (gloo)'}, {dtype}, "
          f"scale 1/{args.scale}")
+    emit(f"GEMM rate measured: {gemm_rate / 1e9:.1f} GFLOP/s per rank; useful Newton-Schulz flops "
+         f"{useful / 1e9:.1f} GFLOP; floor over the {dp * tp} (dp, tp) ranks {floor_ms:.2f} ms")
     emit("")
     emit("| (dp, tp) group | redistribution_bytes | calls per step | plan | step (ms) | x first row | "
-         "worst error vs float64 |")
-    emit("|---|---|---|---|---|---|---|")
+         "time / floor | worst error vs float64 |")
+    emit("|---|---|---|---|---|---|---|---|")
     baseline = None
     runs = [("world", 0), ("world", 1 << 30)]
     if args.pp > 1:
@@ -134,7 +147,7 @@ def main():
         baseline = baseline or milliseconds
         summary = ", ".join(f"{name} x {count}" for name, count in sorted(plan.items()))
         emit(f"| {group} | {budget} | {per_step} | {summary} | {milliseconds:.2f} | "
-             f"{baseline / milliseconds:.2f} | {error:.2e} |")
+             f"{baseline / milliseconds:.2f} | {milliseconds / floor_ms:.2f} | {error:.2e} |")
     dist.destroy_process_group()
 
 
