@@ -116,9 +116,7 @@ def sharding(tensor, name: str, row_blocks: int = 1) -> Sharding:
         return Sharding(LOCAL, None, experts, None)
     group = _group_over(mesh, sorted(cuts))
     if group is _MISSING:
-        how = _gathered(tensor, cuts, experts, experts_split, row_blocks)
-        gathered = [mesh_dim for mesh_dim in sorted(cuts) if how.regroup[mesh_dim].is_replicate()]
-        return how._replace(note=_gather_note(mesh, sorted(cuts), gathered))
+        return _gathered(tensor, cuts, experts, experts_split, row_blocks)
     columns = tensor.ndim - 1  # the dim of the columns (of every expert, in a stack)
     dims = set(cuts.values())
     if len(dims) == 1:
@@ -172,7 +170,8 @@ def _group_over(mesh, mesh_dims):
 
 def _gathered(tensor, cuts, experts, experts_split, row_blocks) -> Sharding:
     """Without a group over all the cut mesh dimensions: keep the plain cut the library can
-    take over the largest mesh dimension, and gather the others (``regroup``)."""
+    take over the largest mesh dimension, and gather the others (``regroup``; ``note`` says
+    why, and how to avoid it)."""
     mesh = tensor.device_mesh
 
     def can_keep(mesh_dim, dim):
@@ -185,16 +184,16 @@ def _gathered(tensor, cuts, experts, experts_split, row_blocks) -> Sharding:
 
     usable = [(mesh_dim, dim) for mesh_dim, dim in cuts.items() if can_keep(mesh_dim, dim)]
     kept = max(usable, key=lambda cut: (mesh.size(cut[0]), cut[0]), default=None)
+    gathered = [mesh_dim for mesh_dim in sorted(cuts) if kept is None or mesh_dim != kept[0]]
     placements = list(tensor.placements)
-    for mesh_dim in cuts:
-        if kept is None or mesh_dim != kept[0]:
-            placements[mesh_dim] = Replicate()
-    regroup = tuple(placements)
+    for mesh_dim in gathered:
+        placements[mesh_dim] = Replicate()
+    regroup, note = tuple(placements), _gather_note(mesh, sorted(cuts), gathered)
     if kept is not None:
-        return Sharding(normalize_group(mesh.get_group(kept[0])), kept[1], experts, regroup)
+        return Sharding(normalize_group(mesh.get_group(kept[0])), kept[1], experts, regroup, note)
     if mesh.ndim == 1 and not experts_split:
-        return Sharding(normalize_group(mesh.get_group(0)), None, experts, regroup)
-    return Sharding(LOCAL, None, experts, regroup)
+        return Sharding(normalize_group(mesh.get_group(0)), None, experts, regroup, note)
+    return Sharding(LOCAL, None, experts, regroup, note)
 
 
 def _gather_note(mesh, cut_dims, gathered_dims) -> str:
@@ -211,8 +210,9 @@ def _gather_note(mesh, cut_dims, gathered_dims) -> str:
     return (f"it is cut over the mesh dimensions {label(cut_dims)} ({ranks} ranks), which no process "
             "group holds (they do not span the world, and no DeviceMesh._flatten() group over exactly "
             f"them was found), so it is gathered over {label(gathered_dims)} and the ranks along "
-            f"{'it' if len(gathered_dims) == 1 else 'them'} repeat its orthogonalization. To step it over all {ranks} ranks, flatten those "
-            f"dimensions once, on every rank, before the first step: {flatten}")
+            f"{'it' if len(gathered_dims) == 1 else 'them'} repeat its orthogonalization. To step "
+            f"it over all {ranks} ranks, flatten those dimensions once, on every rank, before the "
+            f"first step: {flatten}")
 
 
 def redistributed(tensor, placements):
