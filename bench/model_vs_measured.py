@@ -89,8 +89,8 @@ def part_one(path):
 
 def part_two(layers=8, steps=5):
     print(f"\n## {layers} Llama-3-8B layers, quintic {steps}, bf16: the model per step\n")
-    print("| TP ranks | duplicated (ms) | sent/rank (MB) | gram all-reduce (ms) | sent/rank (MB) | per-matrix AUTO (ms) | "
-          "its choices | owner per matrix (ms) | sent/rank (MB) |")
+    print("| TP ranks | duplicated (ms) | sent/rank (MB) | gram all-reduce (ms) | sent/rank (MB) | "
+          "per-matrix AUTO (ms) | its choices | owner per matrix (ms) | sent/rank (MB) |")
     print("|---|---|---|---|---|---|---|---|---|")
     for ranks in (2, 4, 8, 16, 32, 64):
         totals = {"duplicated": [0.0, 0.0], "gram_allreduce": [0.0, 0.0], "auto": [0.0, 0.0]}

@@ -108,7 +108,8 @@ def tp_rank_size():
 
 def full_init(name: str, shape, std: float, seed: int) -> torch.Tensor:
     """The same full weight on every rank and every TP size: seeded by the parameter's name."""
-    generator = torch.Generator().manual_seed(seed * 1000003 + sum(ord(c) * 31 ** i for i, c in enumerate(name)) % 2**31)
+    name_hash = sum(ord(c) * 31 ** i for i, c in enumerate(name)) % 2**31
+    generator = torch.Generator().manual_seed(seed * 1000003 + name_hash)
     return torch.randn(*shape, generator=generator) * std
 
 
@@ -212,8 +213,11 @@ def train(name, args, text, device, log):
     model = CharTransformer(batches.vocab, args.dim, args.layers, args.heads, args.seq, args.seed).to(device)
     optimizer = make_optimizer(name, model, args)
     warmup = max(1, args.steps // 20)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)))
+
+    def warmup_cosine(s):
+        return min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps))
+
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine)
     rows, start = [], time.time()
     tokens_per_step = args.batch * args.seq
     for step in range(1, args.steps + 1):
@@ -338,7 +342,8 @@ def run(args):
         plot(rows, args.out / f"loss_{tag}.png")
         finals = {r["optimizer"]: r for r in rows if r["step"] == args.steps}
         summary = ", ".join(f"{k}: val {v['val_loss']:.4f}" for k, v in finals.items())
-        log(f"final validation loss ({summary}); wrote {args.out / f'loss_{tag}.csv'} and {args.out / f'loss_{tag}.png'}")
+        log(f"final validation loss ({summary}); wrote {args.out / f'loss_{tag}.csv'} and "
+            f"{args.out / f'loss_{tag}.png'}")
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -5,7 +5,8 @@ set -euo pipefail
 
 packages=(cmake ninja-build g++ libopenmpi-dev openmpi-bin libopenblas-dev libgtest-dev
           nlohmann-json3-dev zlib1g-dev
-          python3 python3-torch python3-numpy python3-pytest python3-matplotlib fortunes
+          python3 python3-torch python3-numpy python3-pytest python3-matplotlib
+          python3-pyflakes python3-pycodestyle fortunes
           clang libclang-rt-14-dev)
 missing=()
 for package in "${packages[@]}"; do

@@ -104,6 +104,18 @@ if command -v clang-format >/dev/null 2>&1; then
   fi
 fi
 
+# The Python files: pyflakes (unused names, undefined ones) and pycodestyle's layout rules at
+# 120 columns.
+if (cd "$root" && git ls-files '*.py' | xargs /usr/bin/python3 -m pyflakes &&
+    git ls-files '*.py' | xargs /usr/bin/python3 -m pycodestyle --max-line-length=120) \
+    >"$root/build/python_lint.log" 2>&1; then
+  summary+=("python lint (pyflakes, pycodestyle): clean")
+else
+  head -20 "$root/build/python_lint.log"
+  summary+=("python lint (pyflakes, pycodestyle): FAILED (see build/python_lint.log)")
+  status=1
+fi
+
 echo
 echo "shardmuon test summary"
 for line in "${summary[@]}"; do echo "  $line"; done

@@ -248,7 +248,8 @@ def _check_abi():
                 f"{ctypes.sizeof(struct)} in these bindings; rebuild or update the package"
             )
         for field, _ in struct._fields_:
-            check(lib.shardmuon_abi_layout(type_name.encode(), field.encode(), ctypes.byref(size), ctypes.byref(offset)))
+            check(lib.shardmuon_abi_layout(type_name.encode(), field.encode(), ctypes.byref(size),
+                                           ctypes.byref(offset)))
             if offset.value != getattr(struct, field).offset or size.value != getattr(struct, field).size:
                 raise ImportError(f"shardmuon: {type_name}.{field} differs between {library_path} and these bindings")
 

@@ -904,4 +904,3 @@ class NewtonSchulz:
         comm.raise_callback_error()
         c.check(status)
         return shard
-

@@ -97,8 +97,8 @@ def _plan(rank, world):
         assert entry["group_size"] == world and entry["redistributed"] is None, entry
         assert torch.equal(p.detach(), before[i])  # no step taken
     assert plan[optimizer._name(lone, 1, 0)] == {"algorithm": "local", "owner": None,
-                                                  "gram_iteration": False, "group_size": world,
-                                                  "redistributed": None}
+                                                 "gram_iteration": False, "group_size": world,
+                                                 "redistributed": None}
     assert {e["owner"] for e in plan.values() if e["owner"] is not None} == set(range(world))
     optimizer.step()  # the step the plan describes runs
     assert not torch.equal(params[0].detach(), before[0])

@@ -98,10 +98,14 @@ def _one_dim_mesh(rank, world):
         weight, g = random_matrices(100 + i, (rows, cols), dtype, len(LEARNING_RATES))
         if pieces is None:
             placements = [Replicate() if dim == -1 else Shard(dim)]
-            cut = lambda t, placements=placements: distribute(t, mesh, placements)  # noqa: E731
+
+            def cut(t, placements=placements):
+                return distribute(t, mesh, placements)
         else:
             sizes = split(rows if dim == 0 else cols, pieces[world])
-            cut = lambda t, dim=dim, sizes=sizes: from_pieces(t, mesh, dim, sizes, rank)  # noqa: E731
+
+            def cut(t, dim=dim, sizes=sizes):
+                return from_pieces(t, mesh, dim, sizes, rank)
         params.append(torch.nn.Parameter(cut(weight)))
         grads.append([cut(x) for x in g])
         wholes.append((weight, g, cut))

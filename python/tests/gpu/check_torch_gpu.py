@@ -56,7 +56,8 @@ def sharded_checks(rank, world, device):
                     error = torch.tensor(reference.relative_error(p.detach().cpu(), expected), device=device)
                     dist.all_reduce(error, op=dist.ReduceOp.MAX)
                     record(f"{rows}x{cols} partition_dim={dim} {str(dtype)[6:]} shards={sizes}",
-                           error.item() < tolerance[dtype], f"error {error.item():.2e} (tolerance {tolerance[dtype]:.0e})")
+                           error.item() < tolerance[dtype],
+                           f"error {error.item():.2e} (tolerance {tolerance[dtype]:.0e})")
 
     # A step captured with torch.cuda.graph after one uncaptured step, replayed with new
     # gradients copied into the same tensors; a dim-0 shard and a flat (ZeRO-style) one. With a
@@ -125,7 +126,8 @@ def sharded_checks(rank, world, device):
     optimizer = st.Muon([p, q], lr=0.02, process_group=dist.group.WORLD)
     p.grad = torch.randn_like(p)
     optimizer.step()
-    record("a parameter without gradient is skipped", torch.equal(q, before) and "momentum_buffer" not in optimizer.state[q])
+    record("a parameter without gradient is skipped",
+           torch.equal(q, before) and "momentum_buffer" not in optimizer.state[q])
 
     # Bad input: a CPU and a CUDA parameter; CUDA parameters with a gloo group.
     cpu = torch.nn.Parameter(torch.randn(8, 8))
