@@ -103,6 +103,7 @@ void run(const char* dtype_name, shardmuon_dtype dtype, int64_t rows, int64_t co
     pass.momentum = momentum;
     pass.update = update;
     pass.dtype = dtype;
+    pass.update_dtype = dtype;
     pass.count = count;
     pass.beta = 0.95;
     pass.nesterov = true;
@@ -114,10 +115,34 @@ void run(const char* dtype_name, shardmuon_dtype dtype, int64_t rows, int64_t co
   rows_out.push_back({"update pass", 3.0 * bytes,
                       median_ms(
                           [&](cudaStream_t s) {
-                            shardmuon::update_pass_cuda(param, update, dtype, count, 0.999997, 1e-4,
+                            shardmuon::update_pass_cuda(param, dtype, update, dtype, count,
+                                                        0.999997, 1e-4,
                                                         shardmuon::DeviceLearningRate{}, s);
                           },
                           stream)});
+  if (dtype == SHARDMUON_FLOAT32) {
+    // ns_storage BFLOAT16: float32 state, the update in bf16 (half of the buffer's bytes).
+    shardmuon::MomentumPass pass;
+    pass.grad = grad;
+    pass.momentum = momentum;
+    pass.update = update;
+    pass.dtype = dtype;
+    pass.update_dtype = SHARDMUON_BFLOAT16;
+    pass.count = count;
+    pass.beta = 0.95;
+    pass.nesterov = true;
+    rows_out.push_back(
+        {"momentum pass, bf16 update", 3.5 * bytes,
+         median_ms([&](cudaStream_t s) { shardmuon::momentum_pass_cuda(pass, s); }, stream)});
+    rows_out.push_back({"update pass, bf16 update", 2.5 * bytes,
+                        median_ms(
+                            [&](cudaStream_t s) {
+                              shardmuon::update_pass_cuda(param, dtype, update, SHARDMUON_BFLOAT16,
+                                                          count, 0.999997, 1e-4,
+                                                          shardmuon::DeviceLearningRate{}, s);
+                            },
+                            stream)});
+  }
 
   const double copy_rate = rows_out[0].bytes_moved / (rows_out[0].ms * 1e-3) / 1e9;
   std::printf("\n%s, %lld x %lld (%.0f MB per buffer)\n", dtype_name, static_cast<long long>(rows),

@@ -387,12 +387,28 @@ typedef enum shardmuon_scale_mode {
   SHARDMUON_SCALE_NONE = 3           /* 1 */
 } shardmuon_scale_mode;
 
+/* The storage dtype of a group's Newton-Schulz iteration (products accumulate in float32
+ * either way). Parameter, gradient and momentum keep their own dtype: only the update U is
+ * rounded to this dtype before the iteration, and O is read back from it by the final pass. */
+typedef enum shardmuon_ns_storage {
+  /* The parameter's dtype (the zero-initialized value): float32 parameters get a float32
+   * iteration, the most accurate and on an H200 about 10x slower than bf16. */
+  SHARDMUON_NS_STORAGE_PARAM = 0,
+  /* bf16, for any parameter: what torch.optim.Muon and most Muon code do (they round the
+   * update to bf16 for the iteration), with float32 weights and momentum. Half the bytes to
+   * move and the tensor cores' bf16 rate, at bf16 accuracy of the update (DESIGN_NOTES). */
+  SHARDMUON_NS_STORAGE_BFLOAT16 = 1,
+  /* float32, for any parameter: a more accurate update for bf16 weights. */
+  SHARDMUON_NS_STORAGE_FLOAT32 = 2
+} shardmuon_ns_storage;
+
 /* The hyperparameters of a parameter group. One step, per parameter W with gradient G and
  * momentum buffer M:
  *   weight decay (see shardmuon_weight_decay);
  *   M <- lerp(M, G, 1 - momentum);
  *   U = nesterov ? lerp(G, M, momentum) : M            (a new buffer; M is not touched again)
- *   O = NewtonSchulz(U)                                  (ns, in the parameter's layout)
+ *   O = NewtonSchulz(U)                                  (ns, in the parameter's layout,
+ *                                                         stored as ns_storage says)
  *   W <- W - lr * extra_scale_factor * scale(m, n) * O */
 typedef struct shardmuon_muon_group {
   double lr;       /* may change every step */
@@ -409,11 +425,13 @@ typedef struct shardmuon_muon_group {
    * captured step by writing it on the stream. The value must be finite and >= 0 (it is not
    * checked: reading it would wait on the device). Checkpoints record lr, not this value. */
   const float* lr_on_device;
+  shardmuon_ns_storage ns_storage; /* PARAM (0): the parameter's dtype */
 } shardmuon_muon_group;
 
 /* Fills *group with TransformerEngine's defaults: lr 3e-4, momentum 0.95, Nesterov,
- * weight decay 0.01 decoupled, spectral scale, extra_scale_factor 1, and
- * shardmuon_ns_options_default (quintic, 5 steps, eps 1e-7). */
+ * weight decay 0.01 decoupled, spectral scale, extra_scale_factor 1,
+ * shardmuon_ns_options_default (quintic, 5 steps, eps 1e-7), and the iteration in the
+ * parameter's dtype (ns_storage PARAM). */
 SHARDMUON_API shardmuon_status shardmuon_muon_group_default(shardmuon_muon_group* group);
 
 /* One parameter of a step. The three buffers are this rank's shards in the layout, of one

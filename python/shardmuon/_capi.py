@@ -24,6 +24,8 @@ ALGORITHMS = {"auto": 0, "duplicated": 1, "gram_allreduce": 2, "owner": 3, "gram
 PLAN_NAMES = {1: "duplicated", 2: "gram_allreduce", 100: "local", 101: "gram_allreduce_redistributed"}
 WEIGHT_DECAY_MODES = {"decoupled": 0, "l2": 1, "independent": 2, "none": 3}
 SCALE_MODES = {"spectral": 0, "shape_scaling": 1, "unit_rms_norm": 2, "none": 3}
+# shardmuon_ns_storage: the dtype a group's updates are orthogonalized in (None: the parameter's).
+NS_STORAGES = {None: 0, "bfloat16": 1, "float32": 2}
 
 
 class Layout(ctypes.Structure):
@@ -58,6 +60,7 @@ class MuonGroup(ctypes.Structure):
         ("extra_scale_factor", ctypes.c_double),
         ("ns", NsOptions),
         ("lr_on_device", ctypes.c_void_p),
+        ("ns_storage", ctypes.c_int),
     ]
 
 

@@ -6,7 +6,11 @@ Arguments and defaults follow TransformerEngine's MuonOptimizer (lr 3e-4, moment
 Nesterov, weight decay 0.01 decoupled, quintic, 5 steps, spectral scale, eps 1e-7,
 process_group, partition_dim), and the state is TE's (``state[p]["momentum_buffer"]``).
 shardmuon adds weight_decay_mode (decoupled, l2, independent, none), custom coefficients,
-replicated parameters (partition_dim=-1), uneven shards, and CPU tensors.
+replicated parameters (partition_dim=-1), uneven shards, CPU tensors, and ``ns_dtype``: the
+dtype the update is orthogonalized in. By default it is the parameter's (float32 weights get a
+float32 Newton-Schulz, the most accurate); ``ns_dtype=torch.bfloat16`` rounds the update to
+bf16 for the iteration as torch.optim.Muon does, while weights and momentum stay float32: on
+an H200 the iteration then runs at the bf16 tensor-core rate, about 10x float32's.
 
 A parameter's sharding comes from its ``partition_dim`` attribute (as TransformerEngine and
 Megatron mark tensor-parallel weights; Megatron's ``tensor_model_parallel=False`` means
@@ -44,6 +48,13 @@ from ._runtime import Runtimes, group_rank, group_size, normalize_group
 __all__ = ["Muon", "MuonWithAdamW", "NewtonSchulz", "muon_param_groups", "load_resharded_state_dict"]
 
 _DTYPES = {torch.float32: c.FLOAT32, torch.bfloat16: c.BFLOAT16, torch.float64: c.FLOAT64}
+_NS_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
+
+
+def _ns_storage(ns_dtype) -> int:
+    """shardmuon_ns_storage of a group's ns_dtype: None, torch.bfloat16 or torch.float32 (or
+    their names); a KeyError for anything else."""
+    return c.NS_STORAGES[_NS_DTYPE_NAMES.get(ns_dtype, ns_dtype)]
 
 
 def _split_names(params):
@@ -107,6 +118,11 @@ def _check_hyperparameters(group: Dict[str, Any], where: str, read_tensors: bool
                          f"(one of {sorted(c.WEIGHT_DECAY_MODES)})")
     if group["algorithm"] not in c.ALGORITHMS:
         raise ValueError(f"{where}: unknown algorithm {group['algorithm']!r} (one of {sorted(c.ALGORITHMS)})")
+    try:
+        _ns_storage(group.get("ns_dtype"))
+    except (KeyError, TypeError):
+        raise ValueError(f"{where}: ns_dtype must be None (the parameter's dtype), torch.bfloat16 or "
+                         f"torch.float32, got {group.get('ns_dtype')!r}") from None
     if group["partition_dim"] not in (None, -1, 0, 1, "flat"):
         raise ValueError(f"{where}: partition_dim must be 0, 1, -1 (replicated) or \"flat\", got "
                          f"{group['partition_dim']!r}")
@@ -150,6 +166,7 @@ class Muon(torch.optim.Optimizer):
         partition_dim: Optional[int] = None,
         algorithm: str = "auto",
         redistribution_bytes: int = 1 << 30,
+        ns_dtype: Optional[torch.dtype] = None,
     ):
         if weight_decay_mode is not None and use_decoupled_weight_decay is not None:
             implied = "decoupled" if use_decoupled_weight_decay else "l2"
@@ -163,7 +180,7 @@ class Muon(torch.optim.Optimizer):
             weight_decay_mode=weight_decay_mode, coefficient_type=coefficient_type,
             num_ns_steps=num_ns_steps, custom_coefficients=custom_coefficients,
             scale_mode=scale_mode, extra_scale_factor=extra_scale_factor, eps=eps,
-            partition_dim=partition_dim, algorithm=algorithm,
+            partition_dim=partition_dim, algorithm=algorithm, ns_dtype=ns_dtype,
         )
         _check_hyperparameters(defaults, "Muon")
         if isinstance(redistribution_bytes, bool) or not isinstance(redistribution_bytes, int) \
@@ -456,6 +473,7 @@ class Muon(torch.optim.Optimizer):
         s.ns.schedule = c.SCHEDULES[group["coefficient_type"]]
         s.ns.eps = float(group["eps"])
         s.ns.algorithm = c.ALGORITHMS[group["algorithm"]]
+        s.ns_storage = _ns_storage(group.get("ns_dtype"))
         if group["coefficient_type"] == "custom":
             flat = [float(x) for triple in group["custom_coefficients"] for x in triple]
             array = (ctypes.c_double * len(flat))(*flat)

@@ -58,6 +58,55 @@ def test_schedules(schedule, steps):
     assert w_error < 1e-11
 
 
+@pytest.mark.parametrize("dtype,ns_dtype", [(torch.float32, torch.bfloat16), (torch.float32, "bfloat16"),
+                                            (torch.float64, torch.bfloat16), (torch.bfloat16, torch.float32),
+                                            (torch.float32, torch.float32)])
+def test_updates_orthogonalized_in_another_dtype(dtype, ns_dtype):
+    """ns_dtype rounds only the update for the iteration: the momentum keeps its own dtype's
+    accuracy, the weights that of the coarser dtype. A bf16 iteration must show in float32 or
+    float64 weights (further from the float64 step than a float32 iteration would leave them)."""
+    w_error, m_error = run(dtype, (37, 53), ns_dtype=ns_dtype)
+    ns_dtype = {"bfloat16": torch.bfloat16}.get(ns_dtype, ns_dtype)
+    coarser = torch.bfloat16 if torch.bfloat16 in (dtype, ns_dtype) else dtype
+    assert m_error < TOLERANCE[dtype]
+    assert w_error < TOLERANCE[coarser]
+    if coarser == torch.bfloat16 and dtype != torch.bfloat16:
+        assert w_error > 10 * TOLERANCE[torch.float32]
+
+
+def test_ns_dtype_is_checked_and_kept_in_the_state_dict():
+    weight = torch.nn.Parameter(torch.randn(6, 4))
+    for bad in [torch.float16, "fp8", 3]:
+        with pytest.raises(ValueError, match=r"Muon: ns_dtype must be None .*, got"):
+            st.Muon([weight], ns_dtype=bad)
+    optimizer = st.Muon([weight], lr=0.02, ns_dtype=torch.bfloat16)
+    weight.grad = torch.randn(6, 4)
+    optimizer.param_groups[0]["ns_dtype"] = torch.float16
+    before = weight.detach().clone()
+    with pytest.raises(ValueError, match=r"Muon param_groups\[0\]: ns_dtype must be"):
+        optimizer.step()
+    assert torch.equal(weight.detach(), before)
+    optimizer.param_groups[0]["ns_dtype"] = torch.bfloat16
+    optimizer.step()
+    saved = optimizer.state_dict()
+    assert saved["param_groups"][0]["ns_dtype"] == torch.bfloat16
+    # A state dict from before the option (no ns_dtype in its groups) loads and steps as the
+    # parameter's dtype.
+    del saved["param_groups"][0]["ns_dtype"]
+    twin_weight = torch.nn.Parameter(weight.detach().clone())
+    twin = st.Muon([twin_weight], lr=0.02)
+    twin.load_state_dict(copy.deepcopy(saved))
+    reference_weight = torch.nn.Parameter(weight.detach().clone())
+    reference_optimizer = st.Muon([reference_weight], lr=0.02)
+    reference_optimizer.load_state_dict(copy.deepcopy(saved))
+    reference_optimizer.param_groups[0]["ns_dtype"] = None
+    for p in (twin_weight, reference_weight):
+        p.grad = weight.grad.clone()
+    twin.step()
+    reference_optimizer.step()
+    assert torch.equal(twin_weight.detach(), reference_weight.detach())
+
+
 def test_custom_coefficients_and_te_style_l2():
     custom = [(3.0, -3.2, 1.1), (2.5, -2.8, 1.0), (1.875, -1.25, 0.375)]
     w_error, _ = run(torch.float64, (23, 31), coefficient_type="custom", num_ns_steps=3,

@@ -453,6 +453,7 @@ shardmuon_status shardmuon_abi_layout(const char* type, const char* field, size_
         SHARDMUON_FIELD(shardmuon_muon_group, extra_scale_factor),
         SHARDMUON_FIELD(shardmuon_muon_group, ns),
         SHARDMUON_FIELD(shardmuon_muon_group, lr_on_device),
+        SHARDMUON_FIELD(shardmuon_muon_group, ns_storage),
         SHARDMUON_STRUCT(shardmuon_muon_param),
         SHARDMUON_FIELD(shardmuon_muon_param, param),
         SHARDMUON_FIELD(shardmuon_muon_param, grad),

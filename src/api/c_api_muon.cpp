@@ -61,6 +61,7 @@ shardmuon_status shardmuon_muon_group_default(shardmuon_muon_group* group) {
     group->weight_decay_mode = SHARDMUON_WEIGHT_DECAY_DECOUPLED;
     group->scale_mode = SHARDMUON_SCALE_SPECTRAL;
     group->extra_scale_factor = 1.0;
+    group->ns_storage = SHARDMUON_NS_STORAGE_PARAM;
     if (shardmuon_ns_options_default(&group->ns) != SHARDMUON_SUCCESS) {
       shardmuon::fail(SHARDMUON_ERROR_INTERNAL, "shardmuon_ns_options_default failed");
     }

@@ -80,7 +80,8 @@ struct MomentumPass {
   const void* param = nullptr;
   void* momentum = nullptr;
   void* update = nullptr;
-  shardmuon_dtype dtype = SHARDMUON_FLOAT32;
+  shardmuon_dtype dtype = SHARDMUON_FLOAT32;         // of grad, param and momentum
+  shardmuon_dtype update_dtype = SHARDMUON_FLOAT32;  // of update (the Newton-Schulz dtype)
   int64_t count = 0;
   double beta = 0.0;
   bool nesterov = false;
@@ -110,7 +111,8 @@ struct CommitPass {
   const void* update = nullptr;
   void* momentum = nullptr;
   const void* new_momentum = nullptr;
-  shardmuon_dtype dtype = SHARDMUON_FLOAT32;
+  shardmuon_dtype dtype = SHARDMUON_FLOAT32;         // of param, momentum and new_momentum
+  shardmuon_dtype update_dtype = SHARDMUON_FLOAT32;  // of update
   int64_t count = 0;
   double decay = 1.0, step_size = 0.0;
   const float* step_flag = nullptr;
@@ -192,8 +194,9 @@ class Backend {
   // A few bytes of zeroed backend memory that live as long as the backend (counters).
   virtual void* persistent_status() = 0;
   // Steps 1 and 6 fused: param <- param * decay - step_size * update (see DeviceLearningRate).
-  virtual void update_pass(void* param, const void* update, shardmuon_dtype dtype, int64_t count,
-                           double decay, double step_size, const DeviceLearningRate& device_lr,
+  virtual void update_pass(void* param, shardmuon_dtype param_dtype, const void* update,
+                           shardmuon_dtype update_dtype, int64_t count, double decay,
+                           double step_size, const DeviceLearningRate& device_lr,
                            Stream stream) = 0;
 
   // How wide SymmetricTiles' blocks should be on this backend: narrower blocks save more

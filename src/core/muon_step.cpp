@@ -22,6 +22,19 @@ bool is_valid_weight_decay(int mode) {
 bool is_valid_scale_mode(int mode) {
   return mode >= SHARDMUON_SCALE_SPECTRAL && mode <= SHARDMUON_SCALE_NONE;
 }
+bool is_valid_ns_storage(int storage) {
+  return storage >= SHARDMUON_NS_STORAGE_PARAM && storage <= SHARDMUON_NS_STORAGE_FLOAT32;
+}
+
+// The dtype a parameter's update is orthogonalized in.
+shardmuon_dtype ns_dtype_of(shardmuon_ns_storage storage, shardmuon_dtype param) {
+  switch (storage) {
+    case SHARDMUON_NS_STORAGE_PARAM: return param;
+    case SHARDMUON_NS_STORAGE_BFLOAT16: return SHARDMUON_BFLOAT16;
+    case SHARDMUON_NS_STORAGE_FLOAT32: return SHARDMUON_FLOAT32;
+  }
+  fail(SHARDMUON_ERROR_INTERNAL, "unknown ns_storage ", static_cast<int>(storage));
+}
 
 size_t aligned_bytes(size_t bytes) {
   return (bytes + WorkspaceCarver::kAlignment - 1) / WorkspaceCarver::kAlignment *
@@ -124,6 +137,8 @@ void validate_muon_group(const shardmuon_muon_group& group, int index) {
                       ".scale_mode is unknown: ", static_cast<int>(group.scale_mode));
   SHARDMUON_CHECK_ARG(std::isfinite(group.extra_scale_factor), name,
                       ".extra_scale_factor must be finite, got ", group.extra_scale_factor);
+  SHARDMUON_CHECK_ARG(is_valid_ns_storage(group.ns_storage), name,
+                      ".ns_storage is unknown: ", static_cast<int>(group.ns_storage));
   try {
     validate_ns_options(group.ns);
   } catch (const Failure& e) {
@@ -169,7 +184,7 @@ ValidatedMuonStep validate_muon_step(const Backend& backend, const Communicator&
     digest.add(group.momentum).add(group.nesterov).add(group.weight_decay);
     digest.add(group.weight_decay_mode).add(group.scale_mode).add(group.extra_scale_factor);
     for (const Coefficients& k : coefficients_for(group.ns)) digest.add(k.a).add(k.b).add(k.c);
-    digest.add(group.ns.eps).add(group.ns.algorithm);
+    digest.add(group.ns.eps).add(group.ns.algorithm).add(group.ns_storage);
   }
 
   std::vector<BufferRange> ranges;
@@ -237,8 +252,10 @@ ValidatedMuonStep validate_muon_step(const Backend& backend, const Communicator&
       }
       if (plan.has_grad) check_buffer(backend, p.grad, "grad", i, elements, p.dtype, ranges);
     }
+    const shardmuon_dtype ns_dtype = ns_dtype_of(group.ns_storage, p.dtype);
+    backend.check_dtype(ns_dtype);
     plan.ns = NsProblem{
-        p.dtype, layout, coefficients_for(group.ns), group.ns.eps,
+        ns_dtype, layout, coefficients_for(group.ns), group.ns.eps,
         plan_newton_schulz(layout, comm.size(), group.ns.algorithm, group.ns.num_iterations)};
     plan.requested = group.ns.algorithm;
     if (row_blocks > 1) {
@@ -413,6 +430,7 @@ void run_momentum_pass(Backend& backend, const MuonParamPlan& plan, int64_t coun
   pass.new_momentum = new_momentum;
   pass.update = update;
   pass.dtype = p.dtype;
+  pass.update_dtype = plan.ns.dtype;
   pass.count = count;
   pass.beta = plan.beta;
   pass.nesterov = plan.nesterov;
@@ -421,8 +439,13 @@ void run_momentum_pass(Backend& backend, const MuonParamPlan& plan, int64_t coun
   backend.momentum_pass(pass, stream);
 }
 
-size_t shard_bytes(const MuonParamPlan& plan, int rank) {
+// A slot for this rank's shard of a parameter's update (in the Newton-Schulz dtype) or of its
+// new momentum (in the parameter's).
+size_t update_bytes(const MuonParamPlan& plan, int rank) {
   return aligned_bytes(plan.ns.layout.local_elements(rank) * element_size(plan.ns.dtype));
+}
+size_t momentum_bytes(const MuonParamPlan& plan, int rank) {
+  return aligned_bytes(plan.ns.layout.local_elements(rank) * element_size(plan.param->dtype));
 }
 
 size_t whole_bytes(const NsProblem& ns) {
@@ -554,8 +577,8 @@ struct StepLayout {
     layout.update.assign(n, 0);
     for (size_t i = 0; i < n; ++i) {
       if (!step.plans[i].has_grad) continue;
-      if (checked) layout.new_momentum[i] = take(shard_bytes(step.plans[i], rank));
-      if (!update_in_send_slot[i]) layout.update[i] = take(shard_bytes(step.plans[i], rank));
+      if (checked) layout.new_momentum[i] = take(momentum_bytes(step.plans[i], rank));
+      if (!update_in_send_slot[i]) layout.update[i] = take(update_bytes(step.plans[i], rank));
     }
 
     layout.sent.assign(owned, 0);
@@ -838,9 +861,9 @@ void run_muon_step(Backend& backend, Communicator& comm, const ValidatedMuonStep
     for (size_t i = 0; i < step.plans.size(); ++i) {
       const MuonParamPlan& plan = step.plans[i];
       if (!plan.has_grad) continue;
-      backend.update_pass(plan.param->param, base + layout.update[i], plan.ns.dtype,
-                          plan.ns.layout.local_elements(rank), plan.decay, plan.step_size,
-                          plan.device_lr, stream);
+      backend.update_pass(plan.param->param, plan.param->dtype, base + layout.update[i],
+                          plan.ns.dtype, plan.ns.layout.local_elements(rank), plan.decay,
+                          plan.step_size, plan.device_lr, stream);
     }
     return;
   }
@@ -870,6 +893,7 @@ void run_muon_step(Backend& backend, Communicator& comm, const ValidatedMuonStep
     commit.momentum = p.momentum;
     commit.new_momentum = base + layout.new_momentum[i];
     commit.dtype = p.dtype;
+    commit.update_dtype = plan.ns.dtype;
     commit.count = plan.ns.layout.local_elements(rank);
     commit.decay = plan.decay;
     commit.step_size = plan.step_size;

@@ -15,7 +15,7 @@ namespace shardmuon {
 // One parameter of a validated step.
 struct MuonParamPlan {
   const shardmuon_muon_param* param = nullptr;  // the caller's pointers
-  NsProblem ns;                                 // its layout, dtype and the group's schedule
+  NsProblem ns;  // its layout, the dtype of its iteration (ns_storage), the group's schedule
   bool has_grad = false;
   double decay = 1.0;      // param <- param * decay - step_size * O
   double step_size = 0.0;  // lr * extra_scale_factor * scale(m, n)

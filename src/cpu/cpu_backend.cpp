@@ -180,9 +180,9 @@ class CpuBackend final : public Backend {
     }
   }
 
-  void update_pass(void* param, const void* update, shardmuon_dtype dtype, int64_t count,
-                   double decay, double step_size, const DeviceLearningRate& device_lr,
-                   Stream) override {
+  void update_pass(void* param, shardmuon_dtype dtype, const void* update,
+                   shardmuon_dtype update_dtype, int64_t count, double decay, double step_size,
+                   const DeviceLearningRate& device_lr, Stream) override {
     if (device_lr.lr != nullptr) {  // the CUDA kernels' float32 arithmetic
       const float lr = *device_lr.lr;
       decay = static_cast<float>(decay) - static_cast<float>(device_lr.decay_per_lr) * lr;
@@ -190,13 +190,14 @@ class CpuBackend final : public Backend {
     }
     for (int64_t i = 0; i < count; ++i) {
       if (dtype == SHARDMUON_FLOAT64) {
-        store_element(
-            param, dtype, i,
-            load_element(param, dtype, i) * decay - step_size * load_element(update, dtype, i));
+        store_element(param, dtype, i,
+                      load_element(param, dtype, i) * decay -
+                          step_size * load_element(update, update_dtype, i));
       } else {
         const float value =
             static_cast<float>(load_element(param, dtype, i)) * static_cast<float>(decay) -
-            static_cast<float>(step_size) * static_cast<float>(load_element(update, dtype, i));
+            static_cast<float>(step_size) *
+                static_cast<float>(load_element(update, update_dtype, i));
         store_element(param, dtype, i, value);
       }
     }
@@ -208,8 +209,8 @@ class CpuBackend final : public Backend {
       if (!step_bad && pass.skipped_params != nullptr) ++*pass.skipped_params;
       return;
     }
-    update_pass(pass.param, pass.update, pass.dtype, pass.count, pass.decay, pass.step_size,
-                pass.device_lr, stream);
+    update_pass(pass.param, pass.dtype, pass.update, pass.update_dtype, pass.count, pass.decay,
+                pass.step_size, pass.device_lr, stream);
     if (pass.count > 0) {
       std::memcpy(pass.momentum, pass.new_momentum, pass.count * element_size(pass.dtype));
     }
@@ -339,7 +340,7 @@ class CpuBackend final : public Backend {
       m += weight * (g - m);  // lerp(m, g, 1 - beta)
       store_element(pass.new_momentum ? pass.new_momentum : pass.momentum, pass.dtype, i, m);
       // Nesterov uses m before it is rounded to the storage dtype, as the GPU kernel does.
-      store_element(pass.update, pass.dtype, i, pass.nesterov ? g + beta * (m - g) : m);
+      store_element(pass.update, pass.update_dtype, i, pass.nesterov ? g + beta * (m - g) : m);
     }
   }
 

@@ -211,10 +211,11 @@ class CudaBackend final : public Backend {
     momentum_pass_cuda(pass, as_cuda(stream));
   }
 
-  void update_pass(void* param, const void* update, shardmuon_dtype dtype, int64_t count,
-                   double decay, double step_size, const DeviceLearningRate& device_lr,
-                   Stream stream) override {
-    update_pass_cuda(param, update, dtype, count, decay, step_size, device_lr, as_cuda(stream));
+  void update_pass(void* param, shardmuon_dtype param_dtype, const void* update,
+                   shardmuon_dtype update_dtype, int64_t count, double decay, double step_size,
+                   const DeviceLearningRate& device_lr, Stream stream) override {
+    update_pass_cuda(param, param_dtype, update, update_dtype, count, decay, step_size, device_lr,
+                     as_cuda(stream));
   }
 
   void commit_pass(const CommitPass& pass, Stream stream) override {

@@ -1,8 +1,9 @@
 // The two elementwise passes of a Muon step. Both are bound by memory bandwidth, so each
 // touches every byte once: the momentum pass reads grad and momentum (and param for L2
 // decay) and writes momentum and the update; the update pass reads param and the
-// orthogonalized update and writes param. Each thread moves 16 bytes per access when every
-// pointer allows it.
+// orthogonalized update and writes param. Each thread moves 16 bytes per access of its widest
+// array when every pointer allows it. T is the dtype of param, grad and momentum, U the
+// update's (the Newton-Schulz dtype, which may differ: ns_storage).
 #include <cuda_bf16.h>
 
 #include <cstdint>
@@ -24,14 +25,21 @@ struct alignas(sizeof(T) * N) Vector {
   T values[N];
 };
 
+// Elements per vector access: 16 bytes of the wider of T and U.
+template <typename T, typename U>
+constexpr int vector_width() {
+  return kVectorBytes / (sizeof(T) > sizeof(U) ? sizeof(T) : sizeof(U));
+}
+
 // Each thread handles N consecutive elements per access; count is in elements and a multiple
 // of N (the caller runs the remainder with N = 1).
 // momentum_out is momentum itself, or the buffer a checked step commits from later.
-template <typename T, int N, bool kNesterov, bool kL2>
+template <typename T, typename U, int N, bool kNesterov, bool kL2>
 __global__ void momentum_kernel(const T* __restrict__ grad, const T* __restrict__ param,
-                                const T* momentum, T* momentum_out, T* __restrict__ update,
+                                const T* momentum, T* momentum_out, U* __restrict__ update,
                                 int64_t count, float beta, float l2_decay, float* nonfinite_flag) {
   using V = Vector<T, N>;
+  using UV = Vector<U, N>;
   const float weight = 1.0f - beta;
   bool finite = true;
   for (int64_t i = (blockIdx.x * int64_t{blockDim.x} + threadIdx.x) * N; i < count;
@@ -40,7 +48,7 @@ __global__ void momentum_kernel(const T* __restrict__ grad, const T* __restrict_
     V m_io = *reinterpret_cast<const V*>(momentum + i);
     V p_in;
     if constexpr (kL2) p_in = *reinterpret_cast<const V*>(param + i);
-    V u_out;
+    UV u_out;
 #pragma unroll
     for (int j = 0; j < N; ++j) {
       float g = to_float(g_in.values[j]);
@@ -49,10 +57,10 @@ __global__ void momentum_kernel(const T* __restrict__ grad, const T* __restrict_
       float m = to_float(m_io.values[j]);
       m = fmaf(weight, g - m, m);  // lerp(m, g, 1 - beta)
       m_io.values[j] = from_float<T>(m);
-      u_out.values[j] = from_float<T>(kNesterov ? fmaf(beta, m - g, g) : m);
+      u_out.values[j] = from_float<U>(kNesterov ? fmaf(beta, m - g, g) : m);
     }
     *reinterpret_cast<V*>(momentum_out + i) = m_io;
-    *reinterpret_cast<V*>(update + i) = u_out;
+    *reinterpret_cast<UV*>(update + i) = u_out;
   }
   // Every thread that saw a non-finite value stores the same 1: no atomics needed.
   if (!finite && nonfinite_flag != nullptr) *nonfinite_flag = 1.0f;
@@ -77,12 +85,12 @@ struct DeviceRate {
 };
 
 // param <- param * decay - step_size * update on the N elements from i.
-template <typename T, int N>
-__device__ __forceinline__ void update_vector(T* __restrict__ param, const T* __restrict__ update,
+template <typename T, typename U, int N>
+__device__ __forceinline__ void update_vector(T* __restrict__ param, const U* __restrict__ update,
                                               int64_t i, float decay, float step_size) {
   using V = Vector<T, N>;
   V w = *reinterpret_cast<const V*>(param + i);
-  const V o = *reinterpret_cast<const V*>(update + i);
+  const Vector<U, N> o = *reinterpret_cast<const Vector<U, N>*>(update + i);
 #pragma unroll
   for (int j = 0; j < N; ++j) {
     w.values[j] =
@@ -91,19 +99,19 @@ __device__ __forceinline__ void update_vector(T* __restrict__ param, const T* __
   *reinterpret_cast<V*>(param + i) = w;
 }
 
-template <typename T, int N>
-__global__ void update_kernel(T* __restrict__ param, const T* __restrict__ update, int64_t count,
+template <typename T, typename U, int N>
+__global__ void update_kernel(T* __restrict__ param, const U* __restrict__ update, int64_t count,
                               float decay, float step_size, DeviceRate rate) {
   rate.apply(decay, step_size);
   for (int64_t i = (blockIdx.x * int64_t{blockDim.x} + threadIdx.x) * N; i < count;
        i += int64_t{gridDim.x} * blockDim.x * N) {
-    update_vector<T, N>(param, update, i, decay, step_size);
+    update_vector<T, U, N>(param, update, i, decay, step_size);
   }
 }
 
 // Unless a flag is set: param <- param * decay - step_size * update, momentum <- new_momentum.
-template <typename T, int N>
-__global__ void commit_kernel(T* __restrict__ param, const T* __restrict__ update,
+template <typename T, typename U, int N>
+__global__ void commit_kernel(T* __restrict__ param, const U* __restrict__ update,
                               T* __restrict__ momentum, const T* __restrict__ new_momentum,
                               int64_t count, float decay, float step_size, const float* step_flag,
                               const float* param_flag, long long* skipped_params, DeviceRate rate) {
@@ -118,7 +126,7 @@ __global__ void commit_kernel(T* __restrict__ param, const T* __restrict__ updat
   using V = Vector<T, N>;
   for (int64_t i = (blockIdx.x * int64_t{blockDim.x} + threadIdx.x) * N; i < count;
        i += int64_t{gridDim.x} * blockDim.x * N) {
-    update_vector<T, N>(param, update, i, decay, step_size);
+    update_vector<T, U, N>(param, update, i, decay, step_size);
     *reinterpret_cast<V*>(momentum + i) = *reinterpret_cast<const V*>(new_momentum + i);
   }
 }
@@ -147,67 +155,67 @@ bool aligned(const void* pointer) {
   return pointer == nullptr || reinterpret_cast<uintptr_t>(pointer) % kVectorBytes == 0;
 }
 
-template <typename T, bool kNesterov, bool kL2>
+template <typename T, typename U, bool kNesterov, bool kL2>
 void launch_momentum(const MomentumPass& pass, cudaStream_t stream) {
-  constexpr int N = kVectorBytes / sizeof(T);
+  constexpr int N = vector_width<T, U>();
   const T* grad = static_cast<const T*>(pass.grad);
   const T* param = static_cast<const T*>(pass.param);
   T* momentum = static_cast<T*>(pass.momentum);
   T* momentum_out = pass.new_momentum ? static_cast<T*>(pass.new_momentum) : momentum;
-  T* update = static_cast<T*>(pass.update);
+  U* update = static_cast<U*>(pass.update);
   const float beta = static_cast<float>(pass.beta), l2 = static_cast<float>(pass.l2_decay);
   const bool vectorized = aligned(grad) && aligned(param) && aligned(momentum) &&
                           aligned(momentum_out) && aligned(update);
   const int64_t bulk = vectorized ? pass.count / N * N : 0;
   if (bulk > 0) {
-    launch_kernel("momentum_kernel", momentum_kernel<T, N, kNesterov, kL2>,
+    launch_kernel("momentum_kernel", momentum_kernel<T, U, N, kNesterov, kL2>,
                   dim3(grid_for(bulk / N)), dim3(kThreads), stream, grad, param, momentum,
                   momentum_out, update, bulk, beta, l2, pass.nonfinite_flag);
   }
   if (pass.count > bulk) {
     const int64_t rest = pass.count - bulk;
-    launch_kernel("momentum_kernel", momentum_kernel<T, 1, kNesterov, kL2>, dim3(grid_for(rest)),
+    launch_kernel("momentum_kernel", momentum_kernel<T, U, 1, kNesterov, kL2>, dim3(grid_for(rest)),
                   dim3(kThreads), stream, grad + bulk, kL2 ? param + bulk : nullptr,
                   momentum + bulk, momentum_out + bulk, update + bulk, rest, beta, l2,
                   pass.nonfinite_flag);
   }
 }
 
-template <typename T>
+template <typename T, typename U>
 void launch_momentum(const MomentumPass& pass, cudaStream_t stream) {
   const bool l2 = pass.l2_decay != 0.0;
   if (pass.nesterov) {
-    l2 ? launch_momentum<T, true, true>(pass, stream)
-       : launch_momentum<T, true, false>(pass, stream);
+    l2 ? launch_momentum<T, U, true, true>(pass, stream)
+       : launch_momentum<T, U, true, false>(pass, stream);
   } else {
-    l2 ? launch_momentum<T, false, true>(pass, stream)
-       : launch_momentum<T, false, false>(pass, stream);
+    l2 ? launch_momentum<T, U, false, true>(pass, stream)
+       : launch_momentum<T, U, false, false>(pass, stream);
   }
 }
 
-template <typename T>
+template <typename T, typename U>
 void launch_update(void* param_bytes, const void* update_bytes, int64_t count, float decay,
                    float step_size, DeviceRate rate, cudaStream_t stream) {
-  constexpr int N = kVectorBytes / sizeof(T);
+  constexpr int N = vector_width<T, U>();
   T* param = static_cast<T*>(param_bytes);
-  const T* update = static_cast<const T*>(update_bytes);
+  const U* update = static_cast<const U*>(update_bytes);
   const int64_t bulk = aligned(param) && aligned(update) ? count / N * N : 0;
   if (bulk > 0) {
-    launch_kernel("update_kernel", update_kernel<T, N>, dim3(grid_for(bulk / N)), dim3(kThreads),
+    launch_kernel("update_kernel", update_kernel<T, U, N>, dim3(grid_for(bulk / N)), dim3(kThreads),
                   stream, param, update, bulk, decay, step_size, rate);
   }
   if (count > bulk) {
-    launch_kernel("update_kernel", update_kernel<T, 1>, dim3(grid_for(count - bulk)),
+    launch_kernel("update_kernel", update_kernel<T, U, 1>, dim3(grid_for(count - bulk)),
                   dim3(kThreads), stream, param + bulk, update + bulk, count - bulk, decay,
                   step_size, rate);
   }
 }
 
-template <typename T>
+template <typename T, typename U>
 void launch_commit(const CommitPass& pass, cudaStream_t stream) {
-  constexpr int N = kVectorBytes / sizeof(T);
+  constexpr int N = vector_width<T, U>();
   T* param = static_cast<T*>(pass.param);
-  const T* update = static_cast<const T*>(pass.update);
+  const U* update = static_cast<const U*>(pass.update);
   T* momentum = static_cast<T*>(pass.momentum);
   const T* new_momentum = static_cast<const T*>(pass.new_momentum);
   long long* counter = reinterpret_cast<long long*>(pass.skipped_params);
@@ -217,27 +225,37 @@ void launch_commit(const CommitPass& pass, cudaStream_t stream) {
   const int64_t bulk = vectorized ? pass.count / N * N : 0;
   // One launch counts a skipped parameter; the remainder's launch does not count it again.
   if (bulk > 0) {
-    launch_kernel("commit_kernel", commit_kernel<T, N>, dim3(grid_for(bulk / N)), dim3(kThreads),
+    launch_kernel("commit_kernel", commit_kernel<T, U, N>, dim3(grid_for(bulk / N)), dim3(kThreads),
                   stream, param, update, momentum, new_momentum, bulk, decay, step, pass.step_flag,
                   pass.param_flag, counter, DeviceRate::of(pass.device_lr));
   }
   if (pass.count > bulk || pass.count == 0) {
-    launch_kernel("commit_kernel", commit_kernel<T, 1>, dim3(grid_for(pass.count - bulk)),
+    launch_kernel("commit_kernel", commit_kernel<T, U, 1>, dim3(grid_for(pass.count - bulk)),
                   dim3(kThreads), stream, param + bulk, update + bulk, momentum + bulk,
                   new_momentum + bulk, pass.count - bulk, decay, step, pass.step_flag,
                   pass.param_flag, bulk > 0 ? nullptr : counter, DeviceRate::of(pass.device_lr));
   }
 }
 
+// Calls launch<T, U>() for the CUDA backend's dtypes: T of the parameter's state, U of the
+// update (float32 or bf16 each).
+template <typename Launch>
+void with_dtypes(shardmuon_dtype state, shardmuon_dtype update, const char* what, Launch launch) {
+  using Bf16 = __nv_bfloat16;
+  if (state == SHARDMUON_FLOAT32 && update == SHARDMUON_FLOAT32) return launch(float{}, float{});
+  if (state == SHARDMUON_FLOAT32 && update == SHARDMUON_BFLOAT16) return launch(float{}, Bf16{});
+  if (state == SHARDMUON_BFLOAT16 && update == SHARDMUON_FLOAT32) return launch(Bf16{}, float{});
+  if (state == SHARDMUON_BFLOAT16 && update == SHARDMUON_BFLOAT16) return launch(Bf16{}, Bf16{});
+  fail(SHARDMUON_ERROR_INTERNAL, what, ": unsupported dtypes ", static_cast<int>(state), ", ",
+       static_cast<int>(update));
+}
+
 }  // namespace
 
 void commit_pass_cuda(const CommitPass& pass, cudaStream_t stream) {
-  switch (pass.dtype) {
-    case SHARDMUON_FLOAT32: launch_commit<float>(pass, stream); return;
-    case SHARDMUON_BFLOAT16: launch_commit<__nv_bfloat16>(pass, stream); return;
-    case SHARDMUON_FLOAT64: break;
-  }
-  fail(SHARDMUON_ERROR_INTERNAL, "commit_pass_cuda: unsupported dtype");
+  with_dtypes(pass.dtype, pass.update_dtype, "commit_pass_cuda", [&](auto state, auto update) {
+    launch_commit<decltype(state), decltype(update)>(pass, stream);
+  });
 }
 
 void flag_nonfinite_cuda(const void* x, shardmuon_dtype dtype, int64_t count, float* flag,
@@ -260,28 +278,20 @@ void count_if_flagged_cuda(const float* flag, int64_t* counter, cudaStream_t str
 
 void momentum_pass_cuda(const MomentumPass& pass, cudaStream_t stream) {
   if (pass.count == 0) return;
-  switch (pass.dtype) {
-    case SHARDMUON_FLOAT32: launch_momentum<float>(pass, stream); return;
-    case SHARDMUON_BFLOAT16: launch_momentum<__nv_bfloat16>(pass, stream); return;
-    case SHARDMUON_FLOAT64: break;
-  }
-  fail(SHARDMUON_ERROR_INTERNAL, "momentum_pass_cuda: unsupported dtype");
+  with_dtypes(pass.dtype, pass.update_dtype, "momentum_pass_cuda", [&](auto state, auto update) {
+    launch_momentum<decltype(state), decltype(update)>(pass, stream);
+  });
 }
 
-void update_pass_cuda(void* param, const void* update, shardmuon_dtype dtype, int64_t count,
-                      double decay, double step_size, const DeviceLearningRate& device_lr,
-                      cudaStream_t stream) {
+void update_pass_cuda(void* param, shardmuon_dtype param_dtype, const void* update,
+                      shardmuon_dtype update_dtype, int64_t count, double decay, double step_size,
+                      const DeviceLearningRate& device_lr, cudaStream_t stream) {
   if (count == 0) return;
   const float d = static_cast<float>(decay), s = static_cast<float>(step_size);
   const DeviceRate rate = DeviceRate::of(device_lr);
-  switch (dtype) {
-    case SHARDMUON_FLOAT32: launch_update<float>(param, update, count, d, s, rate, stream); return;
-    case SHARDMUON_BFLOAT16:
-      launch_update<__nv_bfloat16>(param, update, count, d, s, rate, stream);
-      return;
-    case SHARDMUON_FLOAT64: break;
-  }
-  fail(SHARDMUON_ERROR_INTERNAL, "update_pass_cuda: unsupported dtype");
+  with_dtypes(param_dtype, update_dtype, "update_pass_cuda", [&](auto state, auto other) {
+    launch_update<decltype(state), decltype(other)>(param, update, count, d, s, rate, stream);
+  });
 }
 
 }  // namespace shardmuon

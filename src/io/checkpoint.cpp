@@ -140,6 +140,15 @@ Enum enum_from_name(const std::string& name, int count, const char* (*name_of)(E
        "\"");
 }
 
+const char* ns_storage_name(shardmuon_ns_storage storage) {
+  switch (storage) {
+    case SHARDMUON_NS_STORAGE_PARAM: return "param";
+    case SHARDMUON_NS_STORAGE_BFLOAT16: return "bfloat16";
+    case SHARDMUON_NS_STORAGE_FLOAT32: return "float32";
+  }
+  return "?";
+}
+
 const char* schedule_label(shardmuon_schedule schedule) {
   return schedule_name(schedule);
 }
@@ -165,7 +174,8 @@ json group_to_json(const shardmuon_muon_group& group) {
           {"weight_decay_mode", weight_decay_name(group.weight_decay_mode)},
           {"scale_mode", scale_mode_name(group.scale_mode)},
           {"extra_scale_factor", group.extra_scale_factor},
-          {"ns", ns}};
+          {"ns", ns},
+          {"ns_storage", ns_storage_name(group.ns_storage)}};
 }
 
 // The saved group; a custom schedule's coefficients must be the caller's (whose pointer stays).
@@ -181,6 +191,11 @@ shardmuon_muon_group group_from_json(const json& saved, const shardmuon_muon_gro
   group.scale_mode = enum_from_name<shardmuon_scale_mode>(saved.at("scale_mode").get<std::string>(),
                                                           4, scale_mode_name, "scale mode");
   group.extra_scale_factor = saved.at("extra_scale_factor").get<double>();
+  if (saved.contains(
+          "ns_storage")) {  // checkpoints from before it was a group setting: the caller's
+    group.ns_storage = enum_from_name<shardmuon_ns_storage>(
+        saved.at("ns_storage").get<std::string>(), 3, ns_storage_name, "ns_storage");
+  }
   const json& ns = saved.at("ns");
   group.ns.num_iterations = ns.at("iterations").get<int>();
   group.ns.schedule = enum_from_name<shardmuon_schedule>(ns.at("schedule").get<std::string>(), 6,
@@ -273,7 +288,7 @@ void save_muon_checkpoint(Backend& backend, Communicator& comm, const std::strin
     for (size_t i = 0; i < params.plans.size(); ++i) {
       const MuonParamPlan& plan = params.plans[i];
       if (saved_regions(plan.ns.layout, rank).empty()) continue;
-      host[i].resize(plan.ns.layout.local_elements(rank) * element_size(plan.ns.dtype));
+      host[i].resize(plan.ns.layout.local_elements(rank) * element_size(plan.param->dtype));
       backend.copy_to_host(host[i].data(), plan.param->momentum, host[i].size(), stream);
     }
     backend.synchronize(stream);
@@ -281,7 +296,7 @@ void save_muon_checkpoint(Backend& backend, Communicator& comm, const std::strin
     json pieces = json::object();
     for (size_t i = 0; i < params.plans.size(); ++i) {
       const MuonParamPlan& plan = params.plans[i];
-      const size_t element = element_size(plan.ns.dtype);
+      const size_t element = element_size(plan.param->dtype);
       const std::vector<PlacedRegion> regions = saved_regions(plan.ns.layout, rank);
       for (size_t j = 0; j < regions.size(); ++j) {
         const Region& piece = regions[j].region;
@@ -289,7 +304,7 @@ void save_muon_checkpoint(Backend& backend, Communicator& comm, const std::strin
         const size_t bytes = piece.elements() * element;
         const std::string tensor = piece_tensor_name(names[i], j);
         tensors.push_back(
-            {tensor, safetensors_dtype(plan.ns.dtype), {piece.rows, piece.cols}, data, bytes});
+            {tensor, safetensors_dtype(plan.param->dtype), {piece.rows, piece.cols}, data, bytes});
         pieces[tensor] = {
             {"row0", piece.row0}, {"col0", piece.col0}, {"crc32", crc32_of(data, bytes)}};
       }
@@ -332,7 +347,7 @@ void save_muon_checkpoint(Backend& backend, Communicator& comm, const std::strin
       }
       index["params"][names[i]] = {{"rows", layout.rows()},
                                    {"cols", layout.cols()},
-                                   {"dtype", safetensors_dtype(params.plans[i].ns.dtype)},
+                                   {"dtype", safetensors_dtype(params.plans[i].param->dtype)},
                                    {"pieces", pieces}};
     }
     write_file_atomically(directory + "/" + kIndexName, index.dump(1));
@@ -401,7 +416,7 @@ void load_muon_checkpoint(Backend& backend, Communicator& comm, const std::strin
       const std::vector<PlacedRegion> targets = local_regions(layout, rank);
       const int64_t needed = layout.local_elements(rank);
       if (needed == 0) continue;
-      staged[i].resize(needed * element_size(plan.ns.dtype));
+      staged[i].resize(needed * element_size(plan.param->dtype));
       int64_t covered = 0;
       for (const json& piece_json : saved.at("pieces")) {
         const Region piece{
@@ -456,7 +471,7 @@ void load_muon_checkpoint(Backend& backend, Communicator& comm, const std::strin
               const int64_t destination = target.local_offset +
                                           (overlap.row0 - t.row0 + r) * t.cols +
                                           (overlap.col0 - t.col0 + c);
-              store_element(staged[i].data(), plan.ns.dtype, destination,
+              store_element(staged[i].data(), plan.param->dtype, destination,
                             load_element(bytes.data(), saved_dtype, source));
             }
           }

@@ -109,6 +109,7 @@ shardmuon_muon_group some_group(double lr) {
   group.scale_mode = SHARDMUON_SCALE_UNIT_RMS_NORM;
   group.ns.schedule = SHARDMUON_SCHEDULE_POLAR_EXPRESS;
   group.ns.num_iterations = 8;
+  group.ns_storage = SHARDMUON_NS_STORAGE_BFLOAT16;
   return group;
 }
 
@@ -173,6 +174,7 @@ TEST_F(Checkpoint, LoadsOnAnyNumberOfRanksAndLayouts) {
       EXPECT_EQ(hyper.scale_mode, SHARDMUON_SCALE_UNIT_RMS_NORM);
       EXPECT_EQ(hyper.ns.schedule, SHARDMUON_SCHEDULE_POLAR_EXPRESS);
       EXPECT_EQ(hyper.ns.num_iterations, 8);
+      EXPECT_EQ(hyper.ns_storage, SHARDMUON_NS_STORAGE_BFLOAT16);
       const auto loaded = state.momentum_bytes();
       for (size_t i = 0; i < state.params.size(); ++i) {
         const State::Param& param = state.params[i];
