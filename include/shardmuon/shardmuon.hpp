@@ -189,6 +189,14 @@ class Muon {
     entry.param.group = group;
     entry.param.row_blocks = row_blocks;
     const int ranks = comm_.size();
+    // The momentum buffer is sized from this rank's shard size before the library sees the
+    // layout, so a list of sizes of another length is refused here.
+    if (!layout.shard_sizes.empty() && layout.shard_sizes.size() != static_cast<size_t>(ranks)) {
+      throw Error(SHARDMUON_ERROR_INVALID_ARGUMENT,
+                  "Muon::add_parameter(\"" + name + "\"): the layout lists " +
+                      std::to_string(layout.shard_sizes.size()) + " shard sizes for a " +
+                      "communicator of " + std::to_string(ranks) + " ranks");
+    }
     const shardmuon_layout view = entry.layout.view(ranks);
     const size_t element = dtype == SHARDMUON_FLOAT64 ? 8 : dtype == SHARDMUON_FLOAT32 ? 4 : 2;
     check(shardmuon_buffer_create(context_.get(), local_elements(view, comm_.rank()) * element,

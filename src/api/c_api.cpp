@@ -108,7 +108,10 @@ ValidatedNsCall validate_ns_call(shardmuon_context_t context, Communicator& comm
       plan_newton_schulz(shard_layout, comm.size(), options->algorithm, options->num_iterations)};
 
   Digest digest;
-  digest.add(call.backend->kind()).add(dtype).add(layout->rows).add(layout->cols);
+  // The symmetric block width ($SHARDMUON_SYMMETRIC_BLOCK on CUDA) decides how a Gram sum is
+  // cut into all-reduces, so ranks must agree on it too.
+  digest.add(call.backend->kind()).add(call.backend->symmetric_block_target());
+  digest.add(dtype).add(layout->rows).add(layout->cols);
   digest.add(layout->partition);
   for (int64_t size : shard_layout.shard_sizes()) digest.add(size);
   for (const Coefficients& k : call.problem.coefficients) digest.add(k.a).add(k.b).add(k.c);
@@ -258,6 +261,10 @@ shardmuon_status shardmuon_schedule_coefficients(shardmuon_schedule schedule, in
     shardmuon::Coefficients k;
     if (schedule == SHARDMUON_SCHEDULE_CUSTOM) {
       SHARDMUON_CHECK_ARG(options != nullptr, "options is NULL for the custom schedule");
+      SHARDMUON_CHECK_ARG(options->schedule == SHARDMUON_SCHEDULE_CUSTOM,
+                          "schedule is custom but options->schedule is ",
+                          shardmuon::schedule_name(options->schedule),
+                          ": the options hold no custom coefficients");
       shardmuon::validate_ns_options(*options);
       SHARDMUON_CHECK_ARG(iteration < options->num_iterations, "iteration ", iteration,
                           " is past the ", options->num_iterations, " custom coefficients");

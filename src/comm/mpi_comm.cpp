@@ -4,8 +4,11 @@
 
 #include <algorithm>
 #include <climits>
+#include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "comm/factories.h"
 #include "core/dtype.h"
@@ -22,12 +25,17 @@ void check_mpi(int code, const char* what) {
   fail(SHARDMUON_ERROR_MPI, what, " failed: ", std::string(message, length));
 }
 
-int checked_count(size_t count, const char* what) {
-  if (count > static_cast<size_t>(INT_MAX)) {
-    fail(SHARDMUON_ERROR_UNSUPPORTED, what, ": ", count,
-         " exceeds the largest count of one MPI message (INT_MAX)");
-  }
-  return static_cast<int>(count);
+// The most bytes (or elements) one MPI call moves: its counts are int. Larger transfers go in
+// pieces of this size, which every rank derives from sizes all of them agree on, so no rank
+// fails or waits alone. $SHARDMUON_MPI_MESSAGE_BYTES lowers it, so that tests can take those
+// paths with small matrices; it must be the same on every rank.
+size_t max_message() {
+  static const size_t limit = [] {
+    const char* text = std::getenv("SHARDMUON_MPI_MESSAGE_BYTES");
+    const long long value = text != nullptr ? std::atoll(text) : 0;
+    return value > 0 && value < INT_MAX ? static_cast<size_t>(value) : static_cast<size_t>(INT_MAX);
+  }();
+  return limit;
 }
 
 // MPI has no bfloat16: a user-defined sum over 16-bit words, each addition in float32 and
@@ -87,8 +95,9 @@ class MpiCommunicator final : public Communicator {
     const MPI_Op sum = bfloat16 ? sum_bfloat16_ : MPI_SUM;
     const size_t element = element_size(dtype);
     // Large buffers go in pieces: MPI counts are int.
+    const int64_t most = static_cast<int64_t>(std::max<size_t>(1, max_message() / element));
     for (int64_t done = 0; done < count;) {
-      const int piece = static_cast<int>(std::min<int64_t>(count - done, INT_MAX));
+      const int piece = static_cast<int>(std::min<int64_t>(count - done, most));
       check_mpi(MPI_Allreduce(MPI_IN_PLACE, static_cast<char*>(buffer) + done * element, piece,
                               type, sum, comm_),
                 "MPI_Allreduce");
@@ -99,26 +108,66 @@ class MpiCommunicator final : public Communicator {
   bool sums_bfloat16() const override { return true; }
 
   void all_gather_in_place(void* buffer, size_t block_bytes, Stream) override {
-    const int count = checked_count(block_bytes, "all-gather block bytes");
-    check_mpi(MPI_Allgather(MPI_IN_PLACE, 0, MPI_BYTE, buffer, count, MPI_BYTE, comm_),
-              "MPI_Allgather");
+    if (block_bytes <= max_message() && block_bytes * size_ <= static_cast<size_t>(INT_MAX)) {
+      check_mpi(MPI_Allgather(MPI_IN_PLACE, 0, MPI_BYTE, buffer, static_cast<int>(block_bytes),
+                              MPI_BYTE, comm_),
+                "MPI_Allgather");
+      return;
+    }
+    // Every rank has the same block_bytes: each block is broadcast from its rank in pieces.
+    char* bytes = static_cast<char*>(buffer);
+    for (int root = 0; root < size_; ++root) {
+      for (size_t done = 0; done < block_bytes;) {
+        const size_t piece = std::min(block_bytes - done, max_message());
+        check_mpi(MPI_Bcast(bytes + root * block_bytes + done, static_cast<int>(piece), MPI_BYTE,
+                            root, comm_),
+                  "MPI_Bcast (all-gather)");
+        done += piece;
+      }
+    }
   }
 
+  // Point to point, each message in pieces of at most max_message() bytes: MPI_Alltoallv's
+  // counts and displacements are int, and its pieces would have to be agreed on, since every
+  // rank knows only its own sizes. A sender and its receiver know the same size, so they cut
+  // it alike, and MPI keeps the order of messages between two ranks.
   void all_to_all(const void* send, const std::vector<size_t>& send_bytes,
                   const std::vector<size_t>& send_offsets, void* recv,
                   const std::vector<size_t>& recv_bytes, const std::vector<size_t>& recv_offsets,
                   Stream) override {
-    std::vector<int> counts[4];
-    const std::vector<size_t>* sources[4] = {&send_bytes, &send_offsets, &recv_bytes,
-                                             &recv_offsets};
-    for (int i = 0; i < 4; ++i) {
-      for (size_t value : *sources[i]) {
-        counts[i].push_back(checked_count(value, "all-to-all bytes"));
+    constexpr int kTag = 0x5d;
+    std::vector<MPI_Request> requests;
+    auto post = [&](int peer, size_t bytes, bool sending) {
+      const char* from = static_cast<const char*>(send) + send_offsets[peer];
+      char* to = static_cast<char*>(recv) + recv_offsets[peer];
+      for (size_t done = 0; done < bytes;) {
+        const int piece = static_cast<int>(std::min(bytes - done, max_message()));
+        requests.emplace_back();
+        if (sending) {
+          check_mpi(MPI_Isend(from + done, piece, MPI_BYTE, peer, kTag, comm_, &requests.back()),
+                    "MPI_Isend (all-to-all)");
+        } else {
+          check_mpi(MPI_Irecv(to + done, piece, MPI_BYTE, peer, kTag, comm_, &requests.back()),
+                    "MPI_Irecv (all-to-all)");
+        }
+        done += static_cast<size_t>(piece);
       }
+    };
+    for (int peer = 0; peer < size_; ++peer) {
+      if (peer == rank_) {
+        if (send_bytes[peer] > 0) {
+          std::memcpy(static_cast<char*>(recv) + recv_offsets[peer],
+                      static_cast<const char*>(send) + send_offsets[peer], send_bytes[peer]);
+        }
+        continue;
+      }
+      post(peer, recv_bytes[peer], false);
     }
-    check_mpi(MPI_Alltoallv(send, counts[0].data(), counts[1].data(), MPI_BYTE, recv,
-                            counts[2].data(), counts[3].data(), MPI_BYTE, comm_),
-              "MPI_Alltoallv");
+    for (int peer = 0; peer < size_; ++peer) {
+      if (peer != rank_) post(peer, send_bytes[peer], true);
+    }
+    check_mpi(MPI_Waitall(static_cast<int>(requests.size()), requests.data(), MPI_STATUSES_IGNORE),
+              "MPI_Waitall (all-to-all)");
   }
 
   // Nonblocking, so that it can give up: the buffer is the communicator's own, because after a

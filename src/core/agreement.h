@@ -9,6 +9,7 @@
 #include <cstring>
 #include <exception>
 #include <new>
+#include <stdexcept>
 #include <string>
 
 #include "comm/communicator.h"
@@ -39,7 +40,9 @@ class Digest {
 
 // Runs this rank's part of a phase (validation, growing the workspace, writing a file) and
 // returns its failure for agree_across_ranks instead of throwing, so that a rank that failed
-// still joins the exchange; running out of host memory counts as OUT_OF_MEMORY.
+// still joins the exchange, whatever it threw: running out of host memory (or asking for a
+// container larger than any, as a huge row_blocks does) counts as OUT_OF_MEMORY, any other
+// standard exception as INTERNAL with its message.
 template <typename Phase>
 std::exception_ptr capture_local_failure(Phase&& phase) {
   try {
@@ -49,6 +52,14 @@ std::exception_ptr capture_local_failure(Phase&& phase) {
   } catch (const std::bad_alloc&) {
     return std::make_exception_ptr(
         Failure(SHARDMUON_ERROR_OUT_OF_MEMORY, "out of host memory on this rank"));
+  } catch (const std::length_error& e) {
+    return std::make_exception_ptr(
+        Failure(SHARDMUON_ERROR_OUT_OF_MEMORY,
+                concat("the arguments ask for more host memory than this rank can address (",
+                       e.what(), ")")));
+  } catch (const std::exception& e) {
+    return std::make_exception_ptr(
+        Failure(SHARDMUON_ERROR_INTERNAL, concat("internal error on this rank: ", e.what())));
   }
   return nullptr;
 }

@@ -50,6 +50,9 @@ ShardLayout ShardLayout::from_api(const shardmuon_layout& layout, int comm_size)
       const int64_t size = result.shard_sizes_[r];
       SHARDMUON_CHECK_ARG(size >= 0 && size <= extent, "layout->shard_sizes[", r, "] = ", size,
                           " is outside [0, ", extent, "]");
+      // Checked before adding: a sum past the extent could otherwise wrap around to it.
+      SHARDMUON_CHECK_ARG(size <= extent - sum, "layout->shard_sizes[0..", r, "] add up to more ",
+                          "than the ", extent, " elements, rows or cols that are sharded");
       sum += size;
     }
     SHARDMUON_CHECK_ARG(sum == extent, "layout->shard_sizes add up to ", sum, ", but the sharded ",

@@ -176,6 +176,8 @@ ValidatedMuonStep validate_muon_step(const Backend& backend, const Communicator&
   ValidatedMuonStep step;
   Digest digest;
   digest.add(num_params).add(num_groups).add(backend.kind()).add(use_grads);
+  // The symmetric block width decides how Gram sums are cut into all-reduces.
+  digest.add(backend.symmetric_block_target());
   for (int g = 0; g < num_groups; ++g) {
     const shardmuon_muon_group& group = groups[g];
     // A learning rate on the device differs between ranks in its address only; the ranks agree
@@ -237,6 +239,15 @@ ValidatedMuonStep validate_muon_step(const Backend& backend, const Communicator&
         group.extra_scale_factor *
         muon_update_scale(group.scale_mode, layout.rows() / row_blocks, layout.cols());
     plan.step_size = lr * step_size_per_lr;
+    // The passes compute in float32: a finite double beyond its range would write infinities.
+    const auto fits_float = [](double x) {
+      return std::abs(x) <= std::numeric_limits<float>::max();
+    };
+    SHARDMUON_CHECK_ARG(fits_float(plan.step_size) && fits_float(step_size_per_lr) &&
+                            fits_float(plan.decay) && fits_float(decay_per_lr),
+                        "groups[", group_index, "] gives ", name, " a step size (lr ", lr,
+                        " x extra_scale_factor x scale = ", plan.step_size, ") or a decay (",
+                        plan.decay, ") beyond float32's range, in which the step computes");
     if (group.lr_on_device != nullptr) {
       backend.check_pointer(group.lr_on_device,
                             concat("groups[", group_index, "].lr_on_device").c_str());

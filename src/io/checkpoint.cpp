@@ -266,6 +266,9 @@ std::vector<std::string> validate_checkpoint_names(const char* const* names, int
           std::isalnum(static_cast<unsigned char>(c)) || c == '_' || c == '.' || c == '-', "names[",
           i, "] = \"", name, "\" has a character outside [A-Za-z0-9_.-]");
     }
+    // safetensors keeps its own metadata under this key in every file's header.
+    SHARDMUON_CHECK_ARG(name != "__metadata__", "names[", i,
+                        "] = \"__metadata__\" is the safetensors header's own key; pick another");
     SHARDMUON_CHECK_ARG(seen.insert(name).second, "names[", i, "] = \"", name, "\" is not unique");
     result.push_back(name);
   }
@@ -417,11 +420,20 @@ void load_muon_checkpoint(Backend& backend, Communicator& comm, const std::strin
       const int64_t needed = layout.local_elements(rank);
       if (needed == 0) continue;
       staged[i].resize(needed * element_size(plan.param->dtype));
+      // Which of this rank's elements a piece has written: the index is read, not trusted, so
+      // pieces that overlap (or leave gaps) must not pass for a full cover.
+      std::vector<bool> written(static_cast<size_t>(needed), false);
       int64_t covered = 0;
       for (const json& piece_json : saved.at("pieces")) {
         const Region piece{
             piece_json.at("row0").get<int64_t>(), piece_json.at("col0").get<int64_t>(),
             piece_json.at("rows").get<int64_t>(), piece_json.at("cols").get<int64_t>()};
+        SHARDMUON_CHECK_ARG(piece.row0 >= 0 && piece.col0 >= 0 && piece.rows >= 0 &&
+                                piece.cols >= 0 && piece.rows <= layout.rows() - piece.row0 &&
+                                piece.cols <= layout.cols() - piece.col0,
+                            "the checkpoint index places a piece of \"", name, "\" at (",
+                            piece.row0, ", ", piece.col0, ") with ", piece.rows, " x ", piece.cols,
+                            " elements, outside its ", layout.rows(), " x ", layout.cols());
         bool overlaps = false;
         for (const PlacedRegion& target : targets) {
           overlaps = overlaps || intersect(piece, target.region).elements() > 0;
@@ -448,7 +460,10 @@ void load_muon_checkpoint(Backend& backend, Communicator& comm, const std::strin
                                 entry->shape[0] == piece.rows && entry->shape[1] == piece.cols,
                             "checkpoint file ", path, " lacks the ", piece.rows, " x ", piece.cols,
                             " piece \"", tensor, "\" of \"", name, "\" that the index lists");
-        const json file_pieces = json::parse(header.metadata.at("pieces"));
+        const auto pieces_record = header.metadata.find("pieces");
+        SHARDMUON_CHECK_ARG(pieces_record != header.metadata.end(), "checkpoint file ", path,
+                            " has no record of its pieces in its metadata");
+        const json file_pieces = json::parse(pieces_record->second);
         SHARDMUON_CHECK_ARG(file_pieces.contains(tensor), "checkpoint file ", path,
                             " records no piece \"", tensor, "\"");
         const json& recorded = file_pieces.at(tensor);
@@ -458,6 +473,10 @@ void load_muon_checkpoint(Backend& backend, Communicator& comm, const std::strin
                             "\" elsewhere than the index");
         const std::vector<unsigned char> bytes = read_safetensors_tensor(path, header, *entry);
         const shardmuon_dtype saved_dtype = dtype_of(entry->dtype);
+        SHARDMUON_CHECK_ARG(bytes.size() == static_cast<size_t>(piece.rows * piece.cols) *
+                                                element_size(saved_dtype),
+                            "checkpoint file ", path, " holds ", bytes.size(), " bytes for the ",
+                            piece.rows, " x ", piece.cols, " piece \"", tensor, "\"");
         SHARDMUON_CHECK_ARG(crc32_of(bytes) == recorded.at("crc32").get<uint32_t>(),
                             "checkpoint file ", path, " is corrupted: the CRC-32 of \"", tensor,
                             "\" does not match the one recorded when it was written");
@@ -471,6 +490,10 @@ void load_muon_checkpoint(Backend& backend, Communicator& comm, const std::strin
               const int64_t destination = target.local_offset +
                                           (overlap.row0 - t.row0 + r) * t.cols +
                                           (overlap.col0 - t.col0 + c);
+              SHARDMUON_CHECK_ARG(!written[destination], "the checkpoint's pieces of \"", name,
+                                  "\" overlap (at row ", overlap.row0 + r, ", column ",
+                                  overlap.col0 + c, ")");
+              written[destination] = true;
               store_element(staged[i].data(), plan.param->dtype, destination,
                             load_element(bytes.data(), saved_dtype, source));
             }

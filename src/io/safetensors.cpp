@@ -219,12 +219,15 @@ SafetensorsHeader read_safetensors_header(const std::string& path) {
       entry.end = offsets[1];
       const size_t element = safetensors_dtype_size(entry.dtype);
       if (element == 0) fail_format(path, "tensor " + name + " has unknown dtype " + entry.dtype);
-      uint64_t elements = 1;
+      // The byte size, checked for overflow: a wrapped product could match a short range.
+      uint64_t bytes = element;
       for (int64_t extent : entry.shape) {
         if (extent < 0) fail_format(path, "tensor " + name + " has a negative extent");
-        elements *= static_cast<uint64_t>(extent);
+        if (__builtin_mul_overflow(bytes, static_cast<uint64_t>(extent), &bytes)) {
+          fail_format(path, "tensor " + name + "'s shape holds more bytes than 2^64");
+        }
       }
-      if (entry.begin > entry.end || entry.end - entry.begin != elements * element) {
+      if (entry.begin > entry.end || entry.end - entry.begin != bytes) {
         fail_format(path, "tensor " + name + "'s byte range does not match its shape and dtype");
       }
       if (entry.end > data_bytes) {

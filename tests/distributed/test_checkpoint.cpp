@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -89,6 +90,32 @@ struct State {
     return bytes;
   }
 };
+
+// Rewrites a safetensors file's JSON header with `edit` (the 8-byte length in front follows).
+template <typename Edit>
+void edit_safetensors_header(const std::string& file, Edit edit) {
+  std::ifstream in(file, std::ios::binary);
+  unsigned char length_bytes[8];
+  in.read(reinterpret_cast<char*>(length_bytes), 8);
+  uint64_t length = 0;
+  for (int i = 7; i >= 0; --i) length = (length << 8) | length_bytes[i];
+  std::string header(length, ' ');
+  in.read(header.data(), static_cast<std::streamsize>(length));
+  const std::string data((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  in.close();
+  nlohmann::json parsed = nlohmann::json::parse(header);
+  edit(parsed);
+  header = parsed.dump();
+  header.append((8 - header.size() % 8) % 8, ' ');
+  length = header.size();
+  for (unsigned char& byte : length_bytes) {
+    byte = static_cast<unsigned char>(length & 0xff);
+    length >>= 8;
+  }
+  std::ofstream out(file, std::ios::binary | std::ios::trunc);
+  out.write(reinterpret_cast<const char*>(length_bytes), 8);
+  out << header << data;
+}
 
 // The file rank 0 wrote in the directory.
 std::string first_rank_file(const std::string& directory) {
@@ -281,6 +308,26 @@ TEST_F(Checkpoint, DamagedCheckpointsFailCleanly) {
       {"missing index",
        [](const std::string& d) { std::filesystem::remove(d + "/shardmuon-checkpoint.json"); },
        "cannot open"},
+      {"no record of the pieces",
+       [](const std::string& d) {
+         edit_safetensors_header(first_rank_file(d), [](nlohmann::json& header) {
+           header["__metadata__"].erase("pieces");
+         });
+       },
+       "has no record of its pieces"},
+      {"a shape of more than 2^64 bytes",
+       [](const std::string& d) {
+         // A wrapped byte count could match the tensor's short range (4 x 2^62 x 4 = 2^66).
+         edit_safetensors_header(first_rank_file(d), [](nlohmann::json& header) {
+           for (auto& [name, entry] : header.items()) {
+             if (name != "__metadata__") {
+               entry["shape"] = {int64_t{1} << 62, 4};
+               break;
+             }
+           }
+         });
+       },
+       "more bytes than 2^64"},
   };
   for (const Damage& damage : damages) {
     bool saved = true;
@@ -340,6 +387,53 @@ TEST_F(Checkpoint, MismatchedParametersAreNamed) {
                                 Harness::get().stream()),
             SHARDMUON_ERROR_INVALID_ARGUMENT);
   EXPECT_NE(std::string(shardmuon_last_error()).find("is not unique"), std::string::npos);
+  // safetensors keeps its metadata under this key: a parameter of that name could be saved
+  // but never loaded.
+  const char* metadata_name[] = {"a", "__metadata__", "b"};
+  const shardmuon_muon_group hyper = some_group(0.1);
+  EXPECT_EQ(shardmuon_muon_save(Harness::get().context(), group.comm, directory_.c_str(),
+                                state.api.data(), metadata_name, 3, &hyper, 1, 2,
+                                Harness::get().stream()),
+            SHARDMUON_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(shardmuon_last_error()).find("safetensors header's own key"),
+            std::string::npos)
+      << shardmuon_last_error();
+}
+
+// The index is read, not trusted: pieces that overlap must not pass for a full cover even when
+// their element counts add up (saved on 2 ranks, one piece listed in place of the other, loaded
+// on 1: the old count-based check loaded half of the matrix as zeros).
+TEST_F(Checkpoint, AnIndexWhosePiecesOverlapIsRefused) {
+  if (Harness::get().max_group_size() < 2) GTEST_SKIP() << "needs 2 ranks";
+  const Group& pair = Harness::get().group(2);
+  bool saved = true;
+  if (pair.member) {
+    State state(pair, 0, false);
+    saved = save(pair, state, directory_, some_group(0.02), 4) == SHARDMUON_SUCCESS;
+    EXPECT_TRUE(saved) << shardmuon_last_error();
+  }
+  if (!group_all(saved, MPI_COMM_WORLD)) return;
+  if (Harness::get().world_rank() == 0) {
+    const std::string path = directory_ + "/shardmuon-checkpoint.json";
+    nlohmann::json index = nlohmann::json::parse(std::ifstream(path));
+    // Layout kind 0 gives its second parameter balanced row blocks: two pieces of one size.
+    nlohmann::json& pieces = index["params"]["layers.0.out.weight"]["pieces"];
+    ASSERT_EQ(pieces.size(), 2u);
+    pieces[1] = pieces[0];
+    std::ofstream(path, std::ios::trunc) << index.dump();
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  const Group& single = Harness::get().group(1);
+  if (!single.member) return;
+  State state(single, 1, true);
+  const auto before = state.momentum_bytes();
+  int64_t step = -1;
+  EXPECT_EQ(load(single, state, directory_, nullptr, &step), SHARDMUON_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(shardmuon_last_error()).find("\"layers.0.out.weight\" overlap"),
+            std::string::npos)
+      << shardmuon_last_error();
+  EXPECT_EQ(state.momentum_bytes(), before);
+  EXPECT_EQ(step, -1);
 }
 
 }  // namespace

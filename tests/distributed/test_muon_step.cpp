@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -971,6 +972,44 @@ TEST_F(MuonStepBadInput, EveryRankAtFault) {
           << bad.name << ": \"" << error << "\" lacks \"" << bad.message << "\"";
       EXPECT_TRUE(call.untouched()) << bad.name;
     }
+  });
+}
+
+// A row_blocks that divides the rows but asks for more stacked matrices than the host can
+// list (2^59) fails inside validation with an exception of the standard library: that rank
+// must still join the agreement, so the others fail at once instead of waiting out the
+// timeout. A learning rate beyond float32's range is refused (the passes compute in float32).
+TEST_F(MuonStepBadInput, ValidationFailuresOfEveryKindReachTheOtherRanks) {
+  for_each_group(1, [&](const Group& group) {
+    const int64_t rows = int64_t{1} << 59;
+    std::vector<int64_t> sizes(group.size, 0);
+    sizes[0] = rows;  // rank 0 holds every row; its buffers are never read (validation fails)
+    Buffer buffers[3];
+    for (Buffer& buffer : buffers) buffer = Harness::get().upload(std::vector<unsigned char>(64));
+    shardmuon_muon_param p{};
+    p.param = buffers[0].data();
+    p.grad = buffers[1].data();
+    p.momentum = buffers[2].data();
+    p.dtype = SHARDMUON_FLOAT32;
+    p.layout = {rows, 1, SHARDMUON_SHARDED_DIM0, group.size, sizes.data()};
+    p.row_blocks = group.rank == 0 ? rows : 1;
+    shardmuon_muon_group g;
+    shardmuon_muon_group_default(&g);
+    const auto start = std::chrono::steady_clock::now();
+    const shardmuon_status status = shardmuon_muon_step(Harness::get().context(), group.comm, &p, 1,
+                                                        &g, 1, Harness::get().stream());
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    EXPECT_EQ(status, group.rank == 0 ? SHARDMUON_ERROR_OUT_OF_MEMORY : SHARDMUON_ERROR_PEER_FAILED)
+        << shardmuon_last_error();
+    EXPECT_LT(seconds, 60.0) << "a rank waited for the one that failed";
+
+    StepCall call(group);
+    call.groups[0].lr = 1e39;  // finite as a double, infinite as a float32
+    EXPECT_EQ(call.call(group), SHARDMUON_ERROR_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(shardmuon_last_error()).find("beyond float32's range"), std::string::npos)
+        << shardmuon_last_error();
+    EXPECT_TRUE(call.untouched());
   });
 }
 
