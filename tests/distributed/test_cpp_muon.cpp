@@ -152,6 +152,19 @@ TEST_F(CppMuon, MatchesTheCApiAndResumesFromACheckpoint) {
     const std::string expected = "0 gradients for " + std::to_string(kParams) + " parameters";
     EXPECT_NE(std::string(e.what()).find(expected), std::string::npos) << e.what();
   }
+  // So is a layout listing shard sizes for another number of ranks (the momentum buffer is
+  // sized from this rank's entry before the library sees the layout).
+  try {
+    std::vector<int64_t> sizes(group.size + 1, 1);
+    sizes[0] = 8 - group.size;
+    resumed.add_parameter("wrong", class_params[0].data(), SHARDMUON_FLOAT32,
+                          shardmuon::Layout::sharded(8, 4, 0, sizes));
+    ADD_FAILURE() << "no exception";
+  } catch (const shardmuon::Error& e) {
+    EXPECT_EQ(e.status(), SHARDMUON_ERROR_INVALID_ARGUMENT);
+    const std::string expected = "lists " + std::to_string(group.size + 1) + " shard sizes";
+    EXPECT_NE(std::string(e.what()).find(expected), std::string::npos) << e.what();
+  }
   MPI_Barrier(group.mpi);
   if (group.rank == 0) std::filesystem::remove_all(directory);
 }

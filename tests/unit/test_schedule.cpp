@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <string>
+#include <vector>
 
 #include "../common/harness.h"
 #include "../common/reference.h"
@@ -75,6 +76,14 @@ TEST_F(Schedules, CustomCoefficientsAndNames) {
   EXPECT_EQ(c, 6);
   EXPECT_EQ(shardmuon_schedule_coefficients(SHARDMUON_SCHEDULE_CUSTOM, 2, &options, &a, &b, &c),
             SHARDMUON_ERROR_INVALID_ARGUMENT);
+  // Options of another schedule hold no custom coefficients (they used to give quintic's).
+  shardmuon_ns_options quintic;
+  shardmuon_ns_options_default(&quintic);
+  EXPECT_EQ(shardmuon_schedule_coefficients(SHARDMUON_SCHEDULE_CUSTOM, 0, &quintic, &a, &b, &c),
+            SHARDMUON_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(shardmuon_last_error()).find("options->schedule is quintic"),
+            std::string::npos)
+      << shardmuon_last_error();
 
   const char* names[] = {"simple", "quintic", "polar_express", "cans", "aol", "custom"};
   for (int s = 0; s < 6; ++s) {
@@ -82,6 +91,23 @@ TEST_F(Schedules, CustomCoefficientsAndNames) {
     ASSERT_EQ(shardmuon_schedule_from_name(names[s], &parsed), SHARDMUON_SUCCESS) << names[s];
     EXPECT_EQ(parsed, s);
   }
+}
+
+// Shard sizes each within the extent whose int64 sum wraps around to it (33 x 2^59 = 2^64 +
+// 2^59): the sum is checked before each addition.
+TEST_F(Schedules, ShardSizesWhoseSumWrapsAroundAreRefused) {
+  const int ranks = 34;
+  const int64_t rows = int64_t{1} << 59;
+  std::vector<int64_t> sizes(ranks, rows);
+  sizes[ranks - 1] = 0;
+  const shardmuon_layout layout{rows, 1, SHARDMUON_SHARDED_DIM0, ranks, sizes.data()};
+  shardmuon_ns_options options;
+  shardmuon_ns_options_default(&options);
+  shardmuon_ns_algorithm chosen;
+  EXPECT_EQ(shardmuon_ns_plan(&layout, ranks, &options, &chosen), SHARDMUON_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(shardmuon_last_error()).find("layout->shard_sizes[0..1] add up to more"),
+            std::string::npos)
+      << shardmuon_last_error();
 }
 
 TEST_F(Schedules, PlansFollowTheLayout) {
