@@ -177,6 +177,11 @@ class Communicator:
             c.check(c.lib.shardmuon_comm_create_callbacks(ctypes.byref(table), c.BACKEND_CPU, ctypes.byref(handle)))
         self.handle = handle
 
+    def clear_callback_error(self):
+        """Forgets a callback's failure (after a call made only to fail, see Muon._calls)."""
+        if self.callbacks is not None:
+            self.callbacks.error = None
+
     def raise_callback_error(self):
         """A collective that failed inside a callback, with its own exception."""
         if self.callbacks is not None and self.callbacks.error is not None:

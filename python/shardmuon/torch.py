@@ -108,11 +108,16 @@ def _check_hyperparameters(group: Dict[str, Any], where: str, read_tensors: bool
                          f"(one of {sorted(c.SCHEDULES)})")
     if group["coefficient_type"] == "custom":
         coefficients = group["custom_coefficients"]
-        if coefficients is None or len(coefficients) != group["num_ns_steps"]:
+        if (coefficients is None or len(coefficients) != group["num_ns_steps"]
+                or any(len(triple) != 3 for triple in coefficients)):
             raise ValueError(f"{where}: coefficient_type='custom' needs custom_coefficients with one "
                              f"(a, b, c) per step ({group['num_ns_steps']}), got {coefficients!r}")
     if group["scale_mode"] not in c.SCALE_MODES:
         raise ValueError(f"{where}: unknown scale_mode {group['scale_mode']!r} (one of {sorted(c.SCALE_MODES)})")
+    decoupled, mode = group.get("use_decoupled_weight_decay"), group.get("weight_decay_mode")
+    if decoupled is not None and mode is not None and mode != ("decoupled" if decoupled else "l2"):
+        raise ValueError(f"{where}: use_decoupled_weight_decay={decoupled} contradicts "
+                         f"weight_decay_mode={mode!r}")
     if _weight_decay_mode(group) not in c.WEIGHT_DECAY_MODES:
         raise ValueError(f"{where}: unknown weight_decay_mode {group['weight_decay_mode']!r} "
                          f"(one of {sorted(c.WEIGHT_DECAY_MODES)})")
@@ -168,11 +173,6 @@ class Muon(torch.optim.Optimizer):
         redistribution_bytes: int = 1 << 30,
         ns_dtype: Optional[torch.dtype] = None,
     ):
-        if weight_decay_mode is not None and use_decoupled_weight_decay is not None:
-            implied = "decoupled" if use_decoupled_weight_decay else "l2"
-            if implied != weight_decay_mode:
-                raise ValueError(f"use_decoupled_weight_decay={use_decoupled_weight_decay} contradicts "
-                                 f"weight_decay_mode={weight_decay_mode!r}")
         params, self._param_names = _split_names(params)
         defaults = dict(
             lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
@@ -191,7 +191,16 @@ class Muon(torch.optim.Optimizer):
         self.process_group = normalize_group(process_group)
         self._runtimes = Runtimes()
         self._shard_sizes: Dict[int, List[int]] = {}
+        self._seen = set()  # ids of the parameters whose shard sizes every rank has exchanged
         self._gather_notes = set()  # the ones warned of (see _dtensor_entry)
+
+    def __getstate__(self):
+        """Refused: the optimizer holds library handles and a process group, which neither a
+        copy nor a pickle can carry (torch.optim.Optimizer's own pickling would keep only
+        the state and groups, and the copy would fail at its first step)."""
+        raise TypeError(f"{type(self).__name__} cannot be copied or pickled: it holds library handles "
+                        "and a process group. Save and load optimizer.state_dict() instead (or "
+                        "torch.distributed.checkpoint for DTensor parameters).")
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         """torch.optim's, and the group's values checked: a bad one raises a ValueError naming
@@ -251,6 +260,50 @@ class Muon(torch.optim.Optimizer):
                 "option of 0 (rows split), 1 (columns split), -1 (replicated) or \"flat\" (a "
                 "range of the row-major elements, ZeRO style)")
         return None if chosen in (None, -1) else chosen
+
+    def _exchange_shard_sizes(self, bucket, device, process_group, failure):
+        """Before the first step of parameters not seen before, every rank of the group learns
+        every rank's extent along the split. A header goes first, of fixed size, in which each
+        rank says whether it failed and how many parameters it brings: then a rank whose checks
+        failed (`failure`, which this returns) or ranks that list other parameters make every
+        rank raise here, instead of some waiting in a collective the others never make."""
+        new = [e for e in bucket if id(e["param"]) not in self._seen]
+        if not new:
+            return failure
+        missing = [e for e in bucket if not e["stub"] and e["regroup"] is None and e["dim"] is not None
+                   and id(e["param"]) not in self._shard_sizes]
+        if group_size(process_group) > 1:
+            header = _all_gather_ints([int(failure is not None), len(new), len(missing)], process_group,
+                                      device)
+            failed = [rank for rank, row in enumerate(header) if row[0]]
+            if failure is not None:
+                raise failure
+            if failed:
+                raise ValueError(f"Muon: rank(s) {failed} of the process group of {len(header)} ranks "
+                                 "rejected the step's parameters (their own errors say why); nothing "
+                                 "was stepped")
+            if any(row[1:] != header[0][1:] for row in header):
+                counts = [tuple(row[1:]) for row in header]
+                raise ValueError(f"Muon: the ranks of a process group list different parameters "
+                                 f"(new ones, sharded ones, by rank: {counts}); every rank must pass "
+                                 "the same parameters, split the same way; nothing was stepped")
+        elif failure is not None:
+            return failure
+        self._gather_shard_sizes(missing, device, process_group)
+        self._seen.update(id(e["param"]) for e in new)
+        return None
+
+    def _fail_first_call(self, process_group, device):
+        """Enters the library call the other ranks are about to make with arguments it refuses
+        (a negative parameter count): its agreement returns PEER_FAILED on them."""
+        if group_size(process_group) == 1:
+            return
+        context, comm = self._runtimes.get(device, process_group)
+        group = c.MuonGroup()
+        c.check(c.lib.shardmuon_muon_group_default(ctypes.byref(group)))
+        stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+        c.lib.shardmuon_muon_step(context.handle, comm.handle, None, -1, ctypes.byref(group), 1, stream)
+        comm.clear_callback_error()
 
     def _gather_shard_sizes(self, entries, device, process_group):
         """Exchanges the local extents of the sharded parameters not seen before: one
@@ -320,66 +373,84 @@ class Muon(torch.optim.Optimizer):
         return entry, write_back
 
     def _collect(self):
-        entries = []
+        """The step's parameters as entries, and this rank's first error. A parameter that
+        fails its checks here becomes a stub (its process group only) and its error is
+        returned, not raised: this rank must still take part in the collectives its peers make
+        before they can learn of it (see _calls). An error in finding the process group itself
+        is raised: it comes from the parameters' placements, alike on every rank."""
+        entries, failure = [], None
         for group_index, group in self._muon_groups():
             for index, param in enumerate(group["params"]):
                 name = self._name(param, group_index, index)
-                flat = "flat" in (getattr(param, "partition_dim", None), group["partition_dim"])
-                if param.ndim not in (2, 3) and not flat:
-                    raise ValueError(f"{name}: Muon takes 2D parameters, or 3D ones (experts x rows x "
-                                     "cols, each expert on its own), or flat shards (partition_dim "
-                                     "\"flat\"); train this one with AdamW (see MuonWithAdamW)")
-                if param.dtype not in _DTYPES or (param.dtype == torch.float64 and param.is_cuda):
-                    raise TypeError(f"{name}: Muon takes float32 or bfloat16 parameters (float64 on "
-                                    f"the CPU), got {param.dtype}")
-                local = local_tensor(param)  # what the library reads and writes
-                if not local.is_contiguous():
-                    raise ValueError(f"{name}: the parameter is not contiguous")
-                grad = param.grad
-                if grad is not None:
-                    if grad.dtype != param.dtype:
-                        raise TypeError(f"{name}: its gradient is {grad.dtype}, the parameter {param.dtype}")
-                    if grad.shape != param.shape:
-                        raise ValueError(f"{name}: its gradient has shape {tuple(grad.shape)}")
-                    if is_dtensor(param) != is_dtensor(grad) or (
-                            is_dtensor(param) and (grad.placements != param.placements
-                                                   or grad.device_mesh != param.device_mesh)):
-                        raise ValueError(f"{name}: its gradient is "
-                                         f"{describe(grad) if is_dtensor(grad) else 'not a DTensor'}, "
-                                         f"the parameter {describe(param) if is_dtensor(param) else 'not a DTensor'}")
-                    grad = local_tensor(grad)
-                    if grad.shape != local.shape:
-                        raise ValueError(f"{name}: its gradient's local piece has shape {tuple(grad.shape)}, "
-                                         f"the parameter's {tuple(local.shape)}")
-                    if grad.device != local.device:
-                        raise ValueError(f"{name}: its gradient is on {grad.device}")
-                    if grad.is_sparse or not grad.is_contiguous():
-                        raise ValueError(f"{name}: its gradient is not a contiguous dense tensor")
-                # The matrix the library sees, and how many matrices are stacked in its rows:
-                # the experts of a 3D parameter, or a fused weight's parts (muon_row_blocks,
-                # e.g. the heads of QKV or the gate and up halves).
-                regroup = None
-                if is_dtensor(param):
-                    process_group, dim, shape, extent, row_blocks, regroup = self._dtensor_entry(param, name)
-                else:
-                    process_group = self.process_group
-                    dim = self._partition_dim(param, group, name)
-                    if param.ndim == 3:
-                        shape, row_blocks = (param.shape[0] * param.shape[1], param.shape[2]), param.shape[0]
-                    elif dim == "flat":
-                        shape = tuple(int(x) for x in param.muon_shape)
-                        row_blocks = int(getattr(param, "muon_row_blocks", 1))
-                    else:
-                        shape, row_blocks = tuple(param.shape), int(getattr(param, "muon_row_blocks", 1))
-                    # This rank's extent along the split: rows or columns, or elements when flat.
-                    extent = None if dim is None else param.numel() if dim == "flat" else shape[dim]
-                entries.append({"param": param, "local": local, "grad": grad, "group": group_index,
-                                "name": name, "process_group": process_group, "dim": dim,
-                                "shape": shape, "extent": extent, "row_blocks": row_blocks,
-                                "regroup": regroup})
-        return entries
+                try:
+                    entries.append(self._entry(param, group, group_index, name))
+                except (ValueError, TypeError) as error:
+                    failure = failure or error
+                    entries.append({"param": param, "stub": True, "group": group_index, "name": name,
+                                    "process_group": self._process_group_of(param, name)})
+        return entries, failure
 
-    def _calls(self, entries, device):
+    def _process_group_of(self, param, name: str):
+        if is_dtensor(param):
+            return sharding(param, name, int(getattr(param, "muon_row_blocks", 1))).process_group
+        return self.process_group
+
+    def _entry(self, param, group, group_index: int, name: str):
+        """A parameter's entry: its checks on this rank, and the matrix the library sees."""
+        flat = "flat" in (getattr(param, "partition_dim", None), group["partition_dim"])
+        if param.ndim not in (2, 3) and not flat:
+            raise ValueError(f"{name}: Muon takes 2D parameters, or 3D ones (experts x rows x "
+                             "cols, each expert on its own), or flat shards (partition_dim "
+                             "\"flat\"); train this one with AdamW (see MuonWithAdamW)")
+        if param.dtype not in _DTYPES or (param.dtype == torch.float64 and param.is_cuda):
+            raise TypeError(f"{name}: Muon takes float32 or bfloat16 parameters (float64 on "
+                            f"the CPU), got {param.dtype}")
+        local = local_tensor(param)  # what the library reads and writes
+        if not local.is_contiguous():
+            raise ValueError(f"{name}: the parameter is not contiguous")
+        grad = param.grad
+        if grad is not None:
+            if grad.dtype != param.dtype:
+                raise TypeError(f"{name}: its gradient is {grad.dtype}, the parameter {param.dtype}")
+            if grad.shape != param.shape:
+                raise ValueError(f"{name}: its gradient has shape {tuple(grad.shape)}")
+            if is_dtensor(param) != is_dtensor(grad) or (
+                    is_dtensor(param) and (grad.placements != param.placements
+                                           or grad.device_mesh != param.device_mesh)):
+                raise ValueError(f"{name}: its gradient is "
+                                 f"{describe(grad) if is_dtensor(grad) else 'not a DTensor'}, "
+                                 f"the parameter {describe(param) if is_dtensor(param) else 'not a DTensor'}")
+            grad = local_tensor(grad)
+            if grad.shape != local.shape:
+                raise ValueError(f"{name}: its gradient's local piece has shape {tuple(grad.shape)}, "
+                                 f"the parameter's {tuple(local.shape)}")
+            if grad.device != local.device:
+                raise ValueError(f"{name}: its gradient is on {grad.device}")
+            if grad.is_sparse or not grad.is_contiguous():
+                raise ValueError(f"{name}: its gradient is not a contiguous dense tensor")
+        # The matrix the library sees, and how many matrices are stacked in its rows:
+        # the experts of a 3D parameter, or a fused weight's parts (muon_row_blocks,
+        # e.g. the heads of QKV or the gate and up halves).
+        regroup = None
+        if is_dtensor(param):
+            process_group, dim, shape, extent, row_blocks, regroup = self._dtensor_entry(param, name)
+        else:
+            process_group = self.process_group
+            dim = self._partition_dim(param, group, name)
+            if param.ndim == 3:
+                shape, row_blocks = (param.shape[0] * param.shape[1], param.shape[2]), param.shape[0]
+            elif dim == "flat":
+                shape = tuple(int(x) for x in param.muon_shape)
+                row_blocks = int(getattr(param, "muon_row_blocks", 1))
+            else:
+                shape, row_blocks = tuple(param.shape), int(getattr(param, "muon_row_blocks", 1))
+            # This rank's extent along the split: rows or columns, or elements when flat.
+            extent = None if dim is None else param.numel() if dim == "flat" else shape[dim]
+        return {"param": param, "local": local, "grad": grad, "group": group_index, "name": name,
+                "process_group": process_group, "dim": dim, "shape": shape, "extent": extent,
+                "row_blocks": row_blocks, "regroup": regroup, "stub": False}
+
+    def _calls(self, entries, device, failure=None, join_first_call=False):
         """The library calls of a step over `entries`, in the same order on every rank (each
         rank lists the same parameters): (entries, step arguments, write_backs). One call per
         process group, in the order the groups first appear, over all its parameters, so that
@@ -389,20 +460,39 @@ class Muon(torch.optim.Optimizer):
         made just before their call: the redistribution is a collective, and the copies live
         only for the call. They may hold at most `redistribution_bytes` per rank at a time;
         the regrouped parameters beyond that go to further calls over the same group. After a
-        call, each write_back() puts a copy's results in place."""
+        call, each write_back() puts a copy's results in place.
+
+        A check that fails on this rank only (`failure` from _collect, or one here) must not
+        leave the others waiting in a collective: this rank still makes the collectives they
+        make before their first call (the shard-size exchanges, whose headers carry the
+        failure, so that every rank raises there, and the communicators' creation), and if
+        none of those told them, it enters the first call with arguments the library refuses,
+        so that the library's own agreement fails them too (join_first_call; plan() makes no
+        call). Then it raises its error."""
         buckets: Dict[Any, list] = {}
         for e in entries:
             buckets.setdefault(e["process_group"], []).append(e)
         prepared = []
         for process_group, bucket in buckets.items():
-            as_is = [e for e in bucket if e["regroup"] is None]
-            regrouped = [e for e in bucket if e["regroup"] is not None]
-            for e in regrouped:
-                if e["grad"] is not None:
-                    self._momentum(e["param"], e["local"], e["name"])
-            indices = sorted({e["group"] for e in bucket})
-            prepared.append((process_group, as_is, self._step_arguments(as_is, device, process_group, indices),
-                             self._redistribution_runs(regrouped)))
+            failure = self._exchange_shard_sizes(bucket, device, process_group, failure)
+            runtime = self._runtimes.get(device, process_group)  # collective on first use
+            if failure is not None:
+                continue
+            try:
+                as_is = [e for e in bucket if e["regroup"] is None]
+                regrouped = [e for e in bucket if e["regroup"] is not None]
+                for e in regrouped:
+                    if e["grad"] is not None:
+                        self._momentum(e["param"], e["local"], e["name"])
+                indices = sorted({e["group"] for e in bucket})
+                prepared.append((process_group, as_is, self._step_arguments(as_is, runtime, process_group, indices),
+                                 self._redistribution_runs(regrouped)))
+            except (ValueError, TypeError) as error:
+                failure = error
+        if failure is not None:
+            if join_first_call:
+                self._fail_first_call(next(iter(buckets)), device)
+            raise failure
 
         def calls():
             for process_group, as_is, (context, comm, params, groups, keepalive), runs in prepared:
@@ -438,11 +528,14 @@ class Muon(torch.optim.Optimizer):
 
     @staticmethod
     def _device(entries) -> torch.device:
-        devices = {e["local"].device for e in entries}
+        def device_of(e):
+            return local_tensor(e["param"]).device if e["stub"] else e["local"].device
+
+        devices = {device_of(e) for e in entries}
         if len(devices) > 1:
             by_device = {}
             for e in entries:
-                by_device.setdefault(e["local"].device, e["name"])
+                by_device.setdefault(device_of(e), e["name"])
             listing = "; ".join(f"{name} on {device}" for device, name in by_device.items())
             raise ValueError(f"Muon: all parameters must be on one device (CPU or one GPU): {listing}")
         return devices.pop()
@@ -490,15 +583,19 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._check_other_steps()
         self._muon_step()
         self._other_steps()
         return loss
+
+    def _check_other_steps(self):
+        """What a subclass checks of its other steps before the Muon step writes anything."""
 
     def _other_steps(self):
         """What a subclass steps besides the Muon groups (MuonWithAdamW: its AdamW groups)."""
 
     def _muon_step(self):
-        entries = self._collect()
+        entries, failure = self._collect()
         if not entries:
             return
         device = self._device(entries)
@@ -507,7 +604,7 @@ class Muon(torch.optim.Optimizer):
         # a non-finite gradient skips the parameters of its own call. The calls' arguments are
         # built and checked before the first call, so that an error found here steps none;
         # regrouped parameters' copies are made just before their call (see _calls).
-        for bucket, arguments, write_backs in self._calls(entries, device):
+        for bucket, arguments, write_backs in self._calls(entries, device, failure, join_first_call=True):
             # keepalive: what params and groups point into, alive until the call returns.
             context, comm, params, groups, keepalive = arguments
             status = c.lib.shardmuon_muon_step(context.handle, comm.handle, params, len(bucket), groups,
@@ -531,14 +628,14 @@ class Muon(torch.optim.Optimizer):
         part in the owners). Like step(), the first call exchanges the shard sizes over the
         process group (every rank must call it) and creates the momentum buffers of the
         parameters with gradients."""
-        entries = self._collect()
+        entries, failure = self._collect()
         if not entries:
             return {}
         device = self._device(entries)
         names = {code: name for name, code in c.ALGORITHMS.items()}
         names.update(c.PLAN_NAMES)
         result = {}
-        for bucket, arguments, _ in self._calls(entries, device):
+        for bucket, arguments, _ in self._calls(entries, device, failure):
             context, comm, params, groups, keepalive = arguments
             algorithms = (ctypes.c_int * len(bucket))()
             owners = (ctypes.c_int * len(bucket))()
@@ -580,10 +677,11 @@ class Muon(torch.optim.Optimizer):
                              f"piece), got {got}")
         return buffer
 
-    def _step_arguments(self, entries, device, process_group, group_indices):
+    def _step_arguments(self, entries, runtime, process_group, group_indices):
         """The runtime and the C arrays of a step over `entries`, all over `process_group`, with
         the param groups `group_indices` filled in (and what must outlive the arrays)."""
-        context, comm = self._runtimes.get(device, process_group)
+        context, comm = runtime
+        device = context.device
         keepalive = []
         groups = (c.MuonGroup * len(self.param_groups))()
         for index, group in enumerate(self.param_groups):
@@ -654,7 +752,10 @@ class MuonWithAdamW(Muon):
         self._adamw_defaults = {"betas": adamw_betas, "adamw_eps": adamw_eps, "weight_decay": 0.0}
         param_groups = [self._with_adamw_defaults(group, index) for index, group in enumerate(param_groups)]
         super().__init__(param_groups, **muon_kwargs)
-        self._adam = torch.optim.AdamW([self._adamw_group(g) for g in self.param_groups if not g["use_muon"]])
+        # torch.optim.AdamW refuses an empty list: without AdamW groups it is made when the
+        # first one is added.
+        adamw_groups = [self._adamw_group(g) for g in self.param_groups if not g["use_muon"]]
+        self._adam = torch.optim.AdamW(adamw_groups) if adamw_groups else None
         self._link_adam()
 
     def _with_adamw_defaults(self, group: Dict[str, Any], index: int) -> Dict[str, Any]:
@@ -678,7 +779,10 @@ class MuonWithAdamW(Muon):
             return
         super().add_param_group(self._with_adamw_defaults(param_group, len(self.param_groups)))
         if not self.param_groups[-1]["use_muon"]:
-            self._adam.add_param_group(self._adamw_group(self.param_groups[-1]))
+            if self._adam is None:
+                self._adam = torch.optim.AdamW([self._adamw_group(self.param_groups[-1])])
+            else:
+                self._adam.add_param_group(self._adamw_group(self.param_groups[-1]))
         self._link_adam()
 
     def _muon_groups(self):
@@ -686,10 +790,23 @@ class MuonWithAdamW(Muon):
 
     def _link_adam(self):
         """AdamW shares this optimizer's state, and its groups track ours (lr from schedulers)."""
-        self._adam.state = self.state
         self._adam_groups = [g for g in self.param_groups if not g["use_muon"]]
+        if self._adam is not None:
+            self._adam.state = self.state
+
+    def _check_other_steps(self):
+        # torch.optim.AdamW raises on a sparse gradient (nn.Embedding(sparse=True)) only when it
+        # steps, after the Muon groups have been written: found here first.
+        for index, group in enumerate(self.param_groups):
+            if not group["use_muon"]:
+                for position, p in enumerate(group["params"]):
+                    if p.grad is not None and p.grad.is_sparse:
+                        raise ValueError(f"MuonWithAdamW: {self._name(p, index, position)} has a sparse "
+                                         "gradient, which torch.optim.AdamW does not take")
 
     def _other_steps(self):
+        if self._adam is None:
+            return
         for ours, theirs in zip(self._adam_groups, self._adam.param_groups):
             theirs["lr"] = ours["lr"]
             theirs["weight_decay"] = ours["weight_decay"]
@@ -731,8 +848,9 @@ def load_resharded_state_dict(optimizer: Muon, state_dicts: Sequence[Dict[str, A
     Each state tensor of a sharded parameter (Muon's momentum, AdamW's moments of a sharded
     bias) is assembled from the old ranks' pieces along the parameter's partition dim and cut to
     this rank's shard (uneven shards included); state of replicated parameters comes from old
-    rank 0. The parameters must say how they are split (a partition_dim attribute or group
-    option), also when the new group has one rank. Every rank of the new group calls this."""
+    rank 0. The parameters must say how they are split (a partition_dim attribute, or for
+    Muon groups the group option; AdamW groups' parameters without the attribute are
+    replicated), also when the new group has one rank. Every rank of the new group calls this."""
     if not state_dicts:
         raise ValueError("load_resharded_state_dict: no state dicts given")
     entries = []
@@ -745,7 +863,10 @@ def load_resharded_state_dict(optimizer: Muon, state_dicts: Sequence[Dict[str, A
             attribute = getattr(param, "partition_dim", None)
             if getattr(param, "tensor_model_parallel", None) is False:
                 attribute = -1
-            dim = attribute if attribute is not None else group.get("partition_dim")
+            # A group's partition_dim is Muon's option: AdamW groups' state follows only the
+            # parameters' own attributes (replicated without one), as their step does.
+            group_dim = group.get("partition_dim") if group.get("use_muon", True) else None
+            dim = attribute if attribute is not None else group_dim
             # dim is the tensor's (2 for a 3D parameter's columns; a flat shard is a 1D tensor,
             # cut along its only dim); its extent there is the shard size the step records.
             dim = None if dim in (None, -1) else 0 if dim == "flat" else dim

@@ -2,8 +2,10 @@
 empty shards, against the float64 reference on the whole matrices; collective skipping; a
 mismatch that fails on every rank; and loading a state saved under another group size."""
 
+import datetime
 import os
 import tempfile
+import time
 
 import pytest
 import torch
@@ -124,6 +126,76 @@ def test_ranks_that_disagree_about_a_gradient_all_get_the_error():
     launch(_mismatch, 2)
 
 
+def _raises_quickly(step, error, match):
+    """step() raises `error` matching `match` within 15 s: the process group's timeout is 60 s,
+    so a rank left waiting in a collective would take longer (and then fail otherwise)."""
+    start = time.monotonic()
+    with pytest.raises(error, match=match):
+        step()
+    assert time.monotonic() - start < 15, "a rank waited for another"
+
+
+def _errors_on_some_ranks(rank, world):
+    group = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=60))
+    generator = torch.Generator().manual_seed(3)
+    wholes = [torch.randn(12, 8, generator=generator, dtype=torch.float64) for _ in range(2)]
+    sizes = split(12, [1] * world)
+
+    def fresh(bad_rank=None):
+        params = []
+        for whole in wholes:
+            shard = shard_of(whole, 0, sizes, rank)
+            if rank == bad_rank:  # a column-major copy: not contiguous (its values are the same)
+                shard = shard.t().contiguous().t()
+            p = torch.nn.Parameter(shard)
+            p.partition_dim = 0
+            p.grad = torch.ones_like(shard)
+            params.append(p)
+        return params, st.Muon(params, lr=0.02, process_group=group)
+
+    # At the first step (the shard sizes are exchanged first): a parameter rank 1 cannot give
+    # the library.
+    params, optimizer = fresh(bad_rank=1)
+    if rank == 1:
+        _raises_quickly(optimizer.step, ValueError, "is not contiguous")
+    else:
+        _raises_quickly(optimizer.step, ValueError, r"rank\(s\) \[1\] of the process group of 3 ranks rejected")
+    # At a later step (no exchange): a learning rate only rank 2 refuses, then a momentum
+    # buffer of another shard only rank 0 holds; the library call tells the others.
+    params, optimizer = fresh()
+    optimizer.step()
+    before = [p.detach().clone() for p in params]
+    optimizer.param_groups[0]["lr"] = -1.0 if rank == 2 else 0.02
+    if rank == 2:
+        _raises_quickly(optimizer.step, ValueError, "invalid learning rate")
+    else:
+        _raises_quickly(optimizer.step, shardmuon.ShardmuonError, "SHARDMUON_ERROR_PEER_FAILED")
+    optimizer.param_groups[0]["lr"] = 0.02
+    if rank == 0:
+        optimizer.state[params[1]]["momentum_buffer"] = torch.zeros(5, 8, dtype=torch.float64)
+        _raises_quickly(optimizer.step, ValueError, "momentum_buffer must be a contiguous")
+    else:
+        _raises_quickly(optimizer.step, shardmuon.ShardmuonError, "SHARDMUON_ERROR_PEER_FAILED")
+    assert all(torch.equal(p.detach(), b) for p, b in zip(params, before))
+    if rank == 0:
+        optimizer.state[params[1]]["momentum_buffer"] = torch.zeros_like(params[1])
+    optimizer.step()  # the communicators still work
+    assert not torch.equal(params[0].detach(), before[0])
+    # Ranks that split a parameter differently, or list more parameters: every rank raises.
+    extra = torch.nn.Parameter(shard_of(wholes[0], 0, sizes, rank))
+    extra.partition_dim = 0 if rank == 0 else -1
+    extra.grad = torch.ones_like(extra)
+    _raises_quickly(st.Muon([extra], process_group=group).step, ValueError, "list different parameters")
+    more = [torch.nn.Parameter(shard_of(w, 0, sizes, rank)) for w in wholes[: 2 if rank == 1 else 1]]
+    for p in more:
+        p.partition_dim, p.grad = 0, torch.ones_like(p)
+    _raises_quickly(st.Muon(more, process_group=group).step, ValueError, "list different parameters")
+
+
+def test_an_error_on_some_ranks_reaches_every_rank_without_a_wait():
+    launch(_errors_on_some_ranks, 3)
+
+
 def _save(rank, world, directory):
     generator = torch.Generator().manual_seed(11)
     whole = torch.randn(30, 24, generator=generator, dtype=torch.float64)
@@ -133,11 +205,14 @@ def _save(rank, world, directory):
     weight.partition_dim = 0
     column_bias = torch.nn.Parameter(shard_of(bias, 0, sizes, rank))
     column_bias.partition_dim = 0
+    norm = torch.nn.Parameter(torch.ones(12, dtype=torch.float64))  # replicated: no attribute
+    # partition_dim=0 is the Muon groups' default; the AdamW group's norm stays replicated.
     optimizer = st.MuonWithAdamW([{"params": [weight], "use_muon": True},
-                                  {"params": [column_bias], "use_muon": False, "lr": 1e-3}],
-                                 lr=0.02, process_group=dist.group.WORLD)
+                                  {"params": [column_bias, norm], "use_muon": False, "lr": 1e-3}],
+                                 lr=0.02, process_group=dist.group.WORLD, partition_dim=0)
     weight.grad = shard_of(torch.randn(30, 24, generator=generator, dtype=torch.float64), 0, sizes, rank)
     column_bias.grad = shard_of(torch.randn(30, generator=generator, dtype=torch.float64), 0, sizes, rank)
+    norm.grad = torch.randn(12, generator=generator, dtype=torch.float64)
     optimizer.step()
     torch.save(optimizer.state_dict(), os.path.join(directory, f"rank{rank}.pt"))
     # The logical state, for the loaders to compare with.
@@ -145,8 +220,8 @@ def _save(rank, world, directory):
     dist.all_gather_object(gathered, optimizer.state[weight]["momentum_buffer"])
     dist.all_gather_object(gathered_bias, optimizer.state[column_bias]["exp_avg"])
     if rank == 0:
-        torch.save({"momentum": torch.cat(gathered), "exp_avg": torch.cat(gathered_bias)},
-                   os.path.join(directory, "logical.pt"))
+        torch.save({"momentum": torch.cat(gathered), "exp_avg": torch.cat(gathered_bias),
+                    "norm_exp_avg": optimizer.state[norm]["exp_avg"]}, os.path.join(directory, "logical.pt"))
 
 
 def _load(rank, world, directory, saved_world):
@@ -156,13 +231,15 @@ def _load(rank, world, directory, saved_world):
     weight.partition_dim = 0
     column_bias = torch.nn.Parameter(torch.zeros(sizes[rank], dtype=torch.float64))
     column_bias.partition_dim = 0
+    norm = torch.nn.Parameter(torch.ones(12, dtype=torch.float64))
     optimizer = st.MuonWithAdamW([{"params": [weight], "use_muon": True},
-                                  {"params": [column_bias], "use_muon": False}],
-                                 process_group=dist.group.WORLD)
+                                  {"params": [column_bias, norm], "use_muon": False}],
+                                 process_group=dist.group.WORLD, partition_dim=0)
     saved = [torch.load(os.path.join(directory, f"rank{r}.pt")) for r in range(saved_world)]
     st.load_resharded_state_dict(optimizer, saved)
     assert torch.equal(optimizer.state[weight]["momentum_buffer"], shard_of(logical["momentum"], 0, sizes, rank))
     assert torch.equal(optimizer.state[column_bias]["exp_avg"], shard_of(logical["exp_avg"], 0, sizes, rank))
+    assert torch.equal(optimizer.state[norm]["exp_avg"], logical["norm_exp_avg"])  # not cut by the default
     assert optimizer.param_groups[0]["lr"] == 0.02
 
 

@@ -1,6 +1,7 @@
 """shardmuon.torch.Muon on one process (CPU) against the float64 reference step."""
 
 import copy
+import io
 import itertools
 
 import pytest
@@ -351,12 +352,59 @@ def test_muon_with_adamw_matches_torch_adamw_for_the_other_parameters():
     optimizer.step()
 
 
+def test_muon_with_adamw_without_adamw_groups_and_one_added_later():
+    torch.manual_seed(6)
+    weight, bias = torch.nn.Parameter(torch.randn(6, 4)), torch.nn.Parameter(torch.randn(6))
+    optimizer = st.MuonWithAdamW([{"params": [weight], "use_muon": True}], lr=0.02)
+    weight.grad = torch.randn(6, 4)
+    optimizer.step()
+    optimizer.add_param_group({"params": [bias], "use_muon": False, "lr": 1e-3})
+    twin = torch.nn.Parameter(bias.detach().clone())
+    adamw = torch.optim.AdamW([twin], lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    for _ in range(2):
+        weight.grad, bias.grad = torch.randn(6, 4), torch.randn(6)
+        twin.grad = bias.grad.clone()
+        optimizer.step()
+        adamw.step()
+    assert torch.equal(bias.detach(), twin.detach())
+
+
+def test_copies_and_pickles_are_refused_with_the_way_to_save():
+    weight = torch.nn.Parameter(torch.randn(6, 4))
+    for optimizer in (st.Muon([weight]), st.MuonWithAdamW([{"params": [weight], "use_muon": True}])):
+        with pytest.raises(TypeError, match=r"cannot be copied or pickled.*state_dict\(\)"):
+            copy.deepcopy(optimizer)
+        with pytest.raises(TypeError, match="cannot be copied or pickled"):
+            torch.save(optimizer, io.BytesIO())
+
+
+def test_a_sparse_adamw_gradient_is_refused_before_anything_steps():
+    torch.manual_seed(7)
+    embedding = torch.nn.Embedding(10, 4, sparse=True)
+    weight = torch.nn.Parameter(torch.randn(6, 4))
+    optimizer = st.MuonWithAdamW([{"params": [weight], "use_muon": True},
+                                  {"params": list(embedding.parameters()), "use_muon": False}], lr=0.02)
+    embedding(torch.tensor([1, 2])).sum().backward()
+    weight.grad = torch.randn(6, 4)
+    before = weight.detach().clone()
+    with pytest.raises(ValueError, match=r"param_groups\[1\]\['params'\]\[0\].*sparse gradient"):
+        optimizer.step()
+    assert torch.equal(weight.detach(), before) and "momentum_buffer" not in optimizer.state[weight]
+
+
 def test_groups_added_or_changed_later_are_checked():
     torch.manual_seed(4)
     weight, other = torch.nn.Parameter(torch.randn(4, 6)), torch.nn.Parameter(torch.randn(5, 3))
     optimizer = st.Muon([weight], lr=0.02)
     with pytest.raises(ValueError, match=r"Muon param_groups\[1\]: invalid learning rate: -1"):
         optimizer.add_param_group({"params": [other], "lr": -1.0})
+    # A group's weight decay settings that contradict each other (one of them inherited).
+    l2 = st.Muon([torch.nn.Parameter(torch.randn(4, 6))], weight_decay_mode="l2")
+    with pytest.raises(ValueError, match=r"param_groups\[1\]: use_decoupled_weight_decay=True contradicts"):
+        l2.add_param_group({"params": [other], "use_decoupled_weight_decay": True})
+    # Custom coefficients that are not (a, b, c) triples.
+    with pytest.raises(ValueError, match="needs custom_coefficients with one"):
+        st.Muon([other], coefficient_type="custom", num_ns_steps=2, custom_coefficients=[(1, 2, 3, 4), (5, 6)])
     assert len(optimizer.param_groups) == 1  # not added
     optimizer.add_param_group({"params": [other], "lr": 0.01})
     weight.grad, other.grad = torch.randn(4, 6), torch.randn(5, 3)
