@@ -11,12 +11,12 @@ Per layer the Llama-3-8B shapes of bench_step.py (QKV 6144 x 4096, out 4096 x 40
 optimizers take: lr 0.02, momentum 0.95 with Nesterov, weight decay 0.01 decoupled, the
 iteration (3.4445, -4.7750, 2.0315) x 5 (shardmuon's "simple"), the update scaled by
 sqrt(max(1, rows / cols)) (shardmuon's "shape_scaling", torch.optim.Muon's default).
-Times: one optimizer step, warm-ups, median over repeats (CUDA events). The floor is that of
-the plain iteration: its flops, K (4 s^2 L + 2 s^3) per matrix, over the GEMM rate of the
-iteration's dtype measured at the start (bf16: 8192^3; float32: 4096^3, no TF32). shardmuon
-computes fewer (the symmetric products' one triangle, Gram Newton-Schulz on the long
-matrices), so its time can sit below that floor; torch.optim.Muon runs the plain iteration.
-Accuracy: after one step
+Times: one optimizer step, warm-ups, median over repeats (CUDA events). Two floors, each
+flops over the GEMM rate of the iteration's dtype measured at the start (bf16: 8192^3;
+float32: 4096^3, no TF32): the plain iteration's, K (4 s^2 L + 2 s^3) per matrix, which
+torch.optim.Muon runs; and, for shardmuon's rows, the flops it executes (one triangle of the
+symmetric products, Gram Newton-Schulz where the step's plan says so), counted as
+bench_newton_schulz.py counts them. Accuracy: after one step
 from the same state, every parameter's update (new weights minus old) against a float64 step,
 as a relative Frobenius error, the worst over the parameters.
 """
@@ -33,7 +33,7 @@ here = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(here, "..", "python"))
 sys.path.insert(0, here)
 import shardmuon.torch as st  # noqa: E402
-from bench_newton_schulz import torch_newton_schulz  # noqa: E402
+from bench_newton_schulz import floor_ms, torch_newton_schulz  # noqa: E402
 from bench_step import LAYER, LR, MOMENTUM, STEPS, WEIGHT_DECAY, Clock  # noqa: E402
 
 COEFFICIENTS = [(3.4445, -4.7750, 2.0315)] * STEPS
@@ -111,7 +111,14 @@ def main():
         ms = clock.median_ms(lambda: reset(optimizer), optimizer.step)
         reset(optimizer)
         optimizer.step()
-        results[label] = (ns_dtype, ms, worst_update_error())
+        executed = None
+        if isinstance(optimizer, st.Muon):  # the flops of the plan it ran
+            rate_names = {"gemm_bf16": rates[torch.bfloat16], "gemm_fp32": rates[torch.float32]}
+            dtype_name = "bf16" if ns_dtype == torch.bfloat16 else "fp32"
+            executed = sum(floor_ms(min(r, c), max(r, c), STEPS, rate_names, dtype_name, 1, "local",
+                                    plan["gram_iteration"])[0]
+                           for (_, r, c), plan in zip(shapes, optimizer.plan().values()))
+        results[label] = (ns_dtype, ms, worst_update_error(), executed)
 
     lines = []
 
@@ -127,12 +134,13 @@ def main():
     emit("")
     baseline = results.get("torch.optim.Muon")
     emit("| optimizer | iteration dtype | step (ms) | x torch.optim.Muon | plain-iteration floor (ms) | "
-         "time / floor | worst update error vs float64 |")
-    emit("|---|---|---|---|---|---|---|")
-    for label, (ns_dtype, ms, error) in results.items():
-        floor_ms = useful / rates[ns_dtype] * 1e3
+         "time / it | executed floor (ms) | time / it | worst update error vs float64 |")
+    emit("|---|---|---|---|---|---|---|---|---|")
+    for label, (ns_dtype, ms, error, executed) in results.items():
+        plain = useful / rates[ns_dtype] * 1e3
         ratio = f"{baseline[1] / ms:.2f}" if baseline else "-"
-        emit(f"| {label} | {str(ns_dtype)[6:]} | {ms:.2f} | {ratio} | {floor_ms:.2f} | {ms / floor_ms:.2f} | "
+        own = f"{executed:.2f} | {ms / executed:.2f}" if executed else "- | -"
+        emit(f"| {label} | {str(ns_dtype)[6:]} | {ms:.2f} | {ratio} | {plain:.2f} | {ms / plain:.2f} | {own} | "
              f"{error:.2e} |")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "bench_param_dtypes.md"), "w") as f:
