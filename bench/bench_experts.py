@@ -24,7 +24,6 @@ step (relative Frobenius error, the worst over parameters).
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -35,7 +34,8 @@ sys.path.insert(0, os.path.join(here, "..", "python"))
 sys.path.insert(0, here)
 import shardmuon.torch as st  # noqa: E402
 from bench_newton_schulz import torch_newton_schulz  # noqa: E402
-from bench_step import LR, MOMENTUM, STEPS, WEIGHT_DECAY, Clock, scale, state_resetter  # noqa: E402
+from bench_step import (LR, MOMENTUM, STEPS, WEIGHT_DECAY, Clock, Report, scale, standard_arguments,  # noqa: E402
+                        state_resetter)
 
 EXPERTS = [("qwen3-30b-a3b.gate_up", 128, 1536, 2048), ("qwen3-30b-a3b.down", 128, 2048, 768),
            ("deepseek-v2-lite.gate_up", 64, 2816, 2048), ("deepseek-v2-lite.down", 64, 2048, 1408)]
@@ -68,13 +68,7 @@ def torch_step(params, grads, momenta, coefficients, batched):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--scale", type=int, default=1, help="divide every extent by this (smoke tests)")
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--warmups", type=int, default=2)
-    parser.add_argument("--out", default=os.environ.get("OUT", "out/bench"))
-    args = parser.parse_args()
+    args = standard_arguments(__doc__).parse_args()
 
     if args.device == "cuda":
         device, dtype = torch.device("cuda", torch.cuda.current_device()), torch.bfloat16
@@ -109,11 +103,8 @@ def main():
     def worst_error(params):
         return max(float((p.detach().double() - r).norm() / r.norm()) for p, r in zip(params, references))
 
-    lines = []
-
-    def emit(text):
-        print(text, flush=True)
-        lines.append(text)
+    report = Report()
+    emit = report.emit
 
     matrices = sum(e for _, e, _, _ in shapes)
     emit(f"# MoE step benchmark: {len(shapes)} parameters, {matrices} experts, 1 x "
@@ -164,9 +155,7 @@ def main():
         ms, error = results[label]
         emit(f"| {label} | {ms:.2f} | {loop_ms / ms:.2f} | {batched_ms / ms:.2f} | {ms / floor_ms:.2f} | "
              f"{error:.2e} |")
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "bench_experts.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+    report.save(args.out, "bench_experts.md")
 
 
 if __name__ == "__main__":

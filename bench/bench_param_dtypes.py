@@ -23,7 +23,6 @@ as a relative Frobenius error, the worst over the parameters.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -34,7 +33,7 @@ sys.path.insert(0, os.path.join(here, "..", "python"))
 sys.path.insert(0, here)
 import shardmuon.torch as st  # noqa: E402
 from bench_newton_schulz import floor_ms, torch_newton_schulz  # noqa: E402
-from bench_step import LAYER, LR, MOMENTUM, STEPS, WEIGHT_DECAY, Clock  # noqa: E402
+from bench_step import LAYER, LR, MOMENTUM, STEPS, WEIGHT_DECAY, Clock, Report, standard_arguments  # noqa: E402
 
 COEFFICIENTS = [(3.4445, -4.7750, 2.0315)] * STEPS
 
@@ -44,14 +43,7 @@ def shape_scaling(rows, cols):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--scale", type=int, default=1, help="divide every extent by this (smoke tests)")
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--warmups", type=int, default=2)
-    parser.add_argument("--out", default=os.environ.get("OUT", "out/bench"))
-    args = parser.parse_args()
+    args = standard_arguments(__doc__, layers=2).parse_args()
 
     device = torch.device(args.device, torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
@@ -120,11 +112,8 @@ def main():
                            for (_, r, c), plan in zip(shapes, optimizer.plan().values()))
         results[label] = (ns_dtype, ms, worst_update_error(), executed)
 
-    lines = []
-
-    def emit(text):
-        print(text, flush=True)
-        lines.append(text)
+    report = Report()
+    emit = report.emit
 
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
     emit(f"# float32 weights, {len(shapes)} matrices ({args.layers} Llama-3-8B layers, scale 1/{args.scale}), "
@@ -142,9 +131,7 @@ def main():
         own = f"{executed:.2f} | {ms / executed:.2f}" if executed else "- | -"
         emit(f"| {label} | {str(ns_dtype)[6:]} | {ms:.2f} | {ratio} | {plain:.2f} | {ms / plain:.2f} | {own} | "
              f"{error:.2e} |")
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "bench_param_dtypes.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+    report.save(args.out, "bench_param_dtypes.md")
 
 
 if __name__ == "__main__":

@@ -79,6 +79,37 @@ class Clock:
         return float(median)
 
 
+def standard_arguments(description, layers=None):
+    """The arguments the one-machine benchmarks share (and --layers where given a default)."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    if layers is not None:
+        parser.add_argument("--layers", type=int, default=layers)
+    parser.add_argument("--scale", type=int, default=1, help="divide every extent by this (smoke tests)")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--warmups", type=int, default=2)
+    parser.add_argument("--out", default=os.environ.get("OUT", "out/bench"))
+    return parser
+
+
+class Report:
+    """Lines printed as they come (on the reporting rank) and written to a Markdown file."""
+
+    def __init__(self, reporting=True):
+        self.reporting, self.lines = reporting, []
+
+    def emit(self, text):
+        if self.reporting:
+            print(text, flush=True)
+            self.lines.append(text)
+
+    def save(self, directory, name):
+        if self.reporting:
+            os.makedirs(directory, exist_ok=True)
+            with open(os.path.join(directory, name), "w") as f:
+                f.write("\n".join(self.lines) + "\n")
+
+
 def state_resetter(params, initial):
     """A function that puts every parameter back to its initial (weight, gradient) and, given
     an optimizer, its momentum: the same state before every timed step."""
@@ -118,14 +149,7 @@ def baseline_step(params, grads, momenta, shapes, coefficients, world, rank, gat
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--scale", type=int, default=1, help="divide every extent by this (smoke tests)")
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--warmups", type=int, default=2)
-    parser.add_argument("--out", default=os.environ.get("OUT", "out/bench"))
-    args = parser.parse_args()
+    args = standard_arguments(__doc__, layers=8).parse_args()
 
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -184,13 +208,8 @@ def main():
             worst = max(worst, float((whole.double() - reference).norm() / reference.norm()))
         return worst
 
-    lines = []
-
-    def emit(text):
-        if rank == 0:
-            print(text, flush=True)
-            lines.append(text)
-
+    report = Report(reporting=rank == 0)
+    emit = report.emit
     emit(f"# whole-step benchmark: {args.layers} layers, {len(shapes)} matrices, {world} x "
          f"{torch.cuda.get_device_name() if device.type == 'cuda' else 'CPU'}, {dtype}, scale 1/{args.scale}")
     emit(f"GEMM rate measured: {gemm_rate / 1e12:.1f} TFLOP/s per device; useful Newton-Schulz "
@@ -234,10 +253,7 @@ def main():
     for loop in ("gram loop", "all-gather loop"):
         emit(f"| PyTorch {loop} | {results[loop]:.2f} | | | {results[loop] / floor_ms:.2f} | "
              f"{results[loop + ' error']:.2e} |")
-    if rank == 0:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, f"bench_step_{world}{device.type}.md"), "w") as f:
-            f.write("\n".join(lines) + "\n")
+    report.save(args.out, f"bench_step_{world}{device.type}.md")
     if world > 1:
         dist.destroy_process_group()
 
