@@ -296,8 +296,6 @@ class Muon(torch.optim.Optimizer):
     def _fail_first_call(self, process_group, device):
         """Enters the library call the other ranks are about to make with arguments it refuses
         (a negative parameter count): its agreement returns PEER_FAILED on them."""
-        if group_size(process_group) == 1:
-            return
         context, comm = self._runtimes.get(device, process_group)
         group = c.MuonGroup()
         c.check(c.lib.shardmuon_muon_group_default(ctypes.byref(group)))
@@ -490,8 +488,10 @@ class Muon(torch.optim.Optimizer):
             except (ValueError, TypeError) as error:
                 failure = error
         if failure is not None:
-            if join_first_call:
-                self._fail_first_call(next(iter(buckets)), device)
+            # The first call the others wait in: calls over a group of one rank wait for none.
+            shared = [process_group for process_group in buckets if group_size(process_group) > 1]
+            if join_first_call and shared:
+                self._fail_first_call(shared[0], device)
             raise failure
 
         def calls():
