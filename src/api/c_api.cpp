@@ -91,6 +91,7 @@ ValidatedNsCall validate_ns_call(shardmuon_context_t context, Communicator& comm
   validate_ns_options(*options);
   check_single_matrix_algorithm(*options);
   const ShardLayout shard_layout = ShardLayout::from_api(*layout, comm.size());
+  call.backend->check_matrix_shape(shard_layout.rows(), shard_layout.cols(), "layout");
   check_algorithm_fits_layout(options->algorithm, shard_layout, "options->algorithm, layout");
 
   const int64_t local_elements = shard_layout.local_elements(comm.rank());

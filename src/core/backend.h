@@ -9,6 +9,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 #include "core/symmetric_tiles.h"
 #include "shardmuon/shardmuon.h"
@@ -156,6 +157,10 @@ class Backend {
   virtual void check_pointer(const void* ptr, const char* name) const = 0;
   // Throws UNSUPPORTED if this backend does not compute in dtype.
   virtual void check_dtype(shardmuon_dtype dtype) const = 0;
+  // Throws UNSUPPORTED (naming `name`) if this backend's GEMMs cannot take a rows x cols
+  // matrix. Checked while validating, so the ranks agree on it before any collective.
+  virtual void check_matrix_shape(int64_t /*rows*/, int64_t /*cols*/,
+                                  const std::string& /*name*/) const {}
 
   // Scratch memory of at least `bytes`, 256-byte aligned, reused by later calls: it grows
   // to the largest request and never shrinks. The pointer stays valid until the next call

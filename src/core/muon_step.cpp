@@ -210,6 +210,7 @@ ValidatedMuonStep validate_muon_step(const Backend& backend, const Communicator&
       }
       throw Failure(e.status(), message);
     }
+    backend.check_matrix_shape(layout.rows(), layout.cols(), name + ".layout");
     const shardmuon_muon_group& group = groups[group_index];
     check_algorithm_fits_layout(
         group.ns.algorithm, layout,

@@ -245,6 +245,15 @@ class CpuBackend final : public Backend {
   // matrices into several blocks.
   int64_t symmetric_block_target() const override { return 32; }
 
+  // Every GEMM dimension and leading dimension is at most the matrix's rows or cols.
+  void check_matrix_shape(int64_t rows, int64_t cols, const std::string& name) const override {
+    const int64_t largest = std::numeric_limits<blasint>::max();
+    if (rows > largest || cols > largest) {
+      fail(SHARDMUON_ERROR_UNSUPPORTED, name, " is ", rows, " x ", cols,
+           ", but the CPU backend's BLAS takes dimensions up to ", largest);
+    }
+  }
+
   // One part: each column's sum of squares whole.
   int64_t column_square_parts(int64_t) const override { return 1; }
 

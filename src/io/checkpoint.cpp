@@ -394,6 +394,9 @@ void load_muon_checkpoint(Backend& backend, Communicator& comm, const std::strin
                         "; this library reads version ", kVersion);
     const std::string token = index.at("token").get<std::string>();
     loaded_step = index.at("step").get<int64_t>();
+    // Save refuses a negative step, so one here means the index was edited or damaged.
+    SHARDMUON_CHECK_ARG(loaded_step >= 0, "checkpoint index ", index_path, " has step ",
+                        loaded_step, "; a saved step is >= 0");
     const json& saved_groups = index.at("groups");
     if (groups != nullptr) {
       SHARDMUON_CHECK_ARG(static_cast<int>(saved_groups.size()) == num_groups, "num_groups is ",

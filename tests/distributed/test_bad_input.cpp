@@ -309,6 +309,45 @@ TEST_F(BadInput, CudaBackendChecksMemoryAndDtype) {
   EXPECT_EQ(host, std::vector<float>(23 * 41, 1.0f));
 }
 
+// OpenBLAS takes 32-bit dimensions: a 64 x 2^31 matrix is refused while validating, naming
+// the argument, on every rank, before anything is allocated or any collective entered.
+TEST_F(BadInput, CpuBackendRefusesDimensionsBeyondItsBlas) {
+  if (Harness::get().on_gpu()) GTEST_SKIP() << "CPU backend only";
+  for_each_group(1, [&](const Group& group) {
+    const int64_t rows = 64, cols = int64_t{1} << 31;
+    std::vector<int64_t> sizes(group.size, 1);
+    sizes.back() = cols - (group.size - 1);
+    const shardmuon_layout layout{rows, cols, SHARDMUON_SHARDED_DIM1, group.size, sizes.data()};
+    const shardmuon_ns_options options =
+        make_options(SHARDMUON_SCHEDULE_QUINTIC, 5, SHARDMUON_NS_AUTO);
+    // Small buffers: a refused call never reads them.
+    std::vector<float> param(64, 1.0f), grad(64, 2.0f), momentum(64, 3.0f);
+    EXPECT_EQ(shardmuon_newton_schulz(Harness::get().context(), group.comm, param.data(),
+                                      SHARDMUON_FLOAT32, &layout, &options, nullptr),
+              SHARDMUON_ERROR_UNSUPPORTED);
+    EXPECT_NE(std::string(shardmuon_last_error()).find("layout is 64 x 2147483648"),
+              std::string::npos)
+        << shardmuon_last_error();
+
+    shardmuon_muon_group hyper;
+    ASSERT_EQ(shardmuon_muon_group_default(&hyper), SHARDMUON_SUCCESS);
+    shardmuon_muon_param entry{};
+    entry.param = param.data();
+    entry.grad = grad.data();
+    entry.momentum = momentum.data();
+    entry.dtype = SHARDMUON_FLOAT32;
+    entry.layout = layout;
+    EXPECT_EQ(
+        shardmuon_muon_step(Harness::get().context(), group.comm, &entry, 1, &hyper, 1, nullptr),
+        SHARDMUON_ERROR_UNSUPPORTED);
+    EXPECT_NE(std::string(shardmuon_last_error()).find("params[0].layout is 64 x 2147483648"),
+              std::string::npos)
+        << shardmuon_last_error();
+    EXPECT_EQ(param, std::vector<float>(64, 1.0f));
+    EXPECT_EQ(momentum, std::vector<float>(64, 3.0f));
+  });
+}
+
 // One rank cannot allocate its workspace (its shard of a 64 x 2^31 bf16 matrix needs two
 // 275 GB iterates) while the others, holding one column each, can: it reports OUT_OF_MEMORY,
 // the others PEER_FAILED, before any collective.

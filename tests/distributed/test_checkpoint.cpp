@@ -303,6 +303,14 @@ TEST_F(Checkpoint, DamagedCheckpointsFailCleanly) {
          std::ofstream(d + "/shardmuon-checkpoint.json") << "{\"format\": ";
        },
        "is not JSON"},
+      {"negative step",
+       [](const std::string& d) {
+         const std::string index_path = d + "/shardmuon-checkpoint.json";
+         nlohmann::json index = nlohmann::json::parse(std::ifstream(index_path));
+         index["step"] = -3;
+         std::ofstream(index_path) << index.dump();
+       },
+       "has step -3"},
       {"missing rank file",
        [](const std::string& d) { std::filesystem::remove(first_rank_file(d)); }, "cannot open"},
       {"missing index",
