@@ -36,7 +36,8 @@ from __future__ import annotations
 
 import ctypes
 import warnings
-from typing import Any, Dict, Iterable, List, Optional, Sequence
+import weakref
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -57,16 +58,48 @@ def _ns_storage(ns_dtype) -> int:
     return c.NS_STORAGES[_NS_DTYPE_NAMES.get(ns_dtype, ns_dtype)]
 
 
+class _PerTensor:
+    """A dict keyed by tensor identity. Keyed by id() alone, an entry would outlive its tensor
+    and be found by a later tensor given the same id; here each entry holds a weak reference
+    that must still be that tensor. (A WeakKeyDictionary would compare tensors with ==, which
+    torch makes element-wise.)"""
+
+    def __init__(self):
+        self._entries: Dict[int, Tuple[Any, Any]] = {}
+
+    def get(self, tensor, default=None):
+        entry = self._entries.get(id(tensor))
+        return entry[1] if entry is not None and entry[0]() is tensor else default
+
+    def __contains__(self, tensor) -> bool:
+        entry = self._entries.get(id(tensor))
+        return entry is not None and entry[0]() is tensor
+
+    def __getitem__(self, tensor):
+        if tensor not in self:
+            raise KeyError(f"tensor of shape {tuple(tensor.shape)}")
+        return self._entries[id(tensor)][1]
+
+    def __setitem__(self, tensor, value) -> None:
+        key = id(tensor)
+
+        def forget(reference, entries=self._entries):  # when the tensor is collected
+            if entries.get(key, (None,))[0] is reference:
+                del entries[key]
+
+        self._entries[key] = (weakref.ref(tensor, forget), value)
+
+
 def _split_names(params):
     """Accepts tensors, dicts, or (name, tensor) pairs; returns torch's form and the names."""
     params = list(params)
-    names: Dict[int, str] = {}
+    names = _PerTensor()
 
     def unpack(items):
         tensors = []
         for item in items:
             if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
-                names[id(item[1])] = item[0]
+                names[item[1]] = item[0]
                 tensors.append(item[1])
             else:
                 tensors.append(item)
@@ -190,8 +223,8 @@ class Muon(torch.optim.Optimizer):
         super().__init__(params, defaults)  # checks each group (add_param_group)
         self.process_group = normalize_group(process_group)
         self._runtimes = Runtimes()
-        self._shard_sizes: Dict[int, List[int]] = {}
-        self._seen = set()  # ids of the parameters whose shard sizes every rank has exchanged
+        self._shard_sizes = _PerTensor()  # of the sharded parameters: every rank's extent
+        self._seen = _PerTensor()  # the parameters whose shard sizes every rank has exchanged
         self._gather_notes = set()  # the ones warned of (see _dtensor_entry)
 
     def __getstate__(self):
@@ -216,7 +249,7 @@ class Muon(torch.optim.Optimizer):
     # -- helpers ------------------------------------------------------------------------------
 
     def _name(self, param: torch.Tensor, group_index: int, index: int) -> str:
-        name = self._param_names.get(id(param))
+        name = self._param_names.get(param)
         if name is None:
             name = f"param_groups[{group_index}]['params'][{index}]"
         return f"{name} (shape {tuple(param.shape)}, {param.dtype}, {param.device})"
@@ -267,11 +300,11 @@ class Muon(torch.optim.Optimizer):
         rank says whether it failed and how many parameters it brings: then a rank whose checks
         failed (`failure`, which this returns) or ranks that list other parameters make every
         rank raise here, instead of some waiting in a collective the others never make."""
-        new = [e for e in bucket if id(e["param"]) not in self._seen]
+        new = [e for e in bucket if e["param"] not in self._seen]
         if not new:
             return failure
         missing = [e for e in bucket if not e["stub"] and e["regroup"] is None and e["dim"] is not None
-                   and id(e["param"]) not in self._shard_sizes]
+                   and e["param"] not in self._shard_sizes]
         if group_size(process_group) > 1:
             header = _all_gather_ints([int(failure is not None), len(new), len(missing)], process_group,
                                       device)
@@ -290,7 +323,8 @@ class Muon(torch.optim.Optimizer):
         elif failure is not None:
             return failure
         self._gather_shard_sizes(missing, device, process_group)
-        self._seen.update(id(e["param"]) for e in new)
+        for e in new:
+            self._seen[e["param"]] = True
         return None
 
     def _fail_first_call(self, process_group, device):
@@ -306,14 +340,14 @@ class Muon(torch.optim.Optimizer):
     def _gather_shard_sizes(self, entries, device, process_group):
         """Exchanges the local extents of the sharded parameters not seen before: one
         collective for all of them, made by every rank of the group in the same order."""
-        missing = [e for e in entries if e["dim"] is not None and id(e["param"]) not in self._shard_sizes]
+        missing = [e for e in entries if e["dim"] is not None and e["param"] not in self._shard_sizes]
         if not missing or group_size(process_group) == 1:
             for e in missing:
-                self._shard_sizes[id(e["param"])] = [e["extent"]]
+                self._shard_sizes[e["param"]] = [e["extent"]]
             return
         table = _all_gather_ints([e["extent"] for e in missing], process_group, device)
         for column, e in enumerate(missing):
-            self._shard_sizes[id(e["param"])] = [row[column] for row in table]
+            self._shard_sizes[e["param"]] = [row[column] for row in table]
 
     def _dtensor_entry(self, param, name: str, local=None):
         """Where a DTensor parameter's sharding comes from: its placements (see _dtensor).
@@ -400,6 +434,10 @@ class Muon(torch.optim.Optimizer):
             raise ValueError(f"{name}: Muon takes 2D parameters, or 3D ones (experts x rows x "
                              "cols, each expert on its own), or flat shards (partition_dim "
                              "\"flat\"); train this one with AdamW (see MuonWithAdamW)")
+        blocks = getattr(param, "muon_row_blocks", None)
+        if param.ndim == 3 and blocks is not None and blocks != param.shape[0]:
+            raise ValueError(f"{name}: muon_row_blocks ({blocks!r}) is for 2D weights; a 3D parameter's "
+                             f"matrices are its {param.shape[0]} experts (dim 0)")
         if param.dtype not in _DTYPES or (param.dtype == torch.float64 and param.is_cuda):
             raise TypeError(f"{name}: Muon takes float32 or bfloat16 parameters (float64 on "
                             f"the CPU), got {param.dtype}")
@@ -720,7 +758,7 @@ class Muon(torch.optim.Optimizer):
                                      f"{rows} x {cols} of its muon_shape")
                 p.layout = c.Layout(rows, cols, c.REPLICATED, 1, None)
             else:
-                sizes = self._shard_sizes[id(param)]
+                sizes = self._shard_sizes[param]
                 if sizes[rank] != e["extent"]:
                     raise ValueError(f"{e['name']}: its shard changed size since the first step")
                 if is_dtensor(param) and sum(sizes) != e["shape"][e["dim"]]:
@@ -885,7 +923,7 @@ def load_resharded_state_dict(optimizer: Muon, state_dicts: Sequence[Dict[str, A
         if dim is None:
             result["state"][index] = old[0]
             continue
-        sizes = optimizer._shard_sizes[id(param)]
+        sizes = optimizer._shard_sizes[param]
         start = sum(sizes[:rank])
         state = {}
         for key, value in old[0].items():

@@ -1,8 +1,10 @@
 """shardmuon.torch.Muon on one process (CPU) against the float64 reference step."""
 
 import copy
+import gc
 import io
 import itertools
+import weakref
 
 import pytest
 import torch
@@ -520,6 +522,42 @@ def test_experts_and_fused_parts_are_orthogonalized_one_by_one():
     stack, _ = reference.muon_step(torch.cat(initial), experts.grad.reshape(24, 12),
                                    torch.zeros(24, 12, dtype=torch.float64), lr=0.02, weight_decay=0.0)
     assert reference.relative_error(torch.cat(got[:3]), stack) > 1e-3
+
+
+def test_per_tensor_caches_find_only_the_tensor_they_were_given():
+    from shardmuon.torch import _PerTensor
+    table = _PerTensor()
+    a, b = torch.zeros(3), torch.zeros(3)
+    table[a] = "a's"
+    assert a in table and table[a] == "a's" and table.get(a) == "a's"
+    assert b not in table and table.get(b) is None  # equal values, another tensor
+    # An entry left under b's id by a tensor that held it before (ids are reused once a
+    # tensor is freed; here another live tensor stands in for the dead one).
+    table._entries[id(b)] = (weakref.ref(a), "stale")
+    assert b not in table and table.get(b, "none") == "none"
+    with pytest.raises(KeyError):
+        table[b]
+    # A collected tensor's entry goes with it.
+    c = torch.zeros(2)
+    table[c] = "c's"
+    key = id(c)
+    del c
+    gc.collect()
+    assert key not in table._entries
+
+
+def test_row_blocks_on_a_3d_parameter_are_refused_unless_they_are_its_experts():
+    p = torch.nn.Parameter(torch.randn(2, 4, 6))
+    p.muon_row_blocks = 4  # would cut each expert in halves; the experts are the blocks
+    optimizer = st.Muon([p], lr=0.01)
+    p.grad = torch.randn(2, 4, 6)
+    before = p.detach().clone()
+    with pytest.raises(ValueError, match=r"muon_row_blocks \(4\) is for 2D weights.*2 experts"):
+        optimizer.step()
+    assert torch.equal(p.detach(), before)
+    p.muon_row_blocks = 2  # says what the experts already are
+    optimizer.step()
+    assert not torch.equal(p.detach(), before)
 
 
 def test_3d_parameters_take_only_column_or_no_sharding():
