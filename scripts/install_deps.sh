@@ -7,7 +7,7 @@ packages=(cmake ninja-build g++ libopenmpi-dev openmpi-bin libopenblas-dev libgt
           nlohmann-json3-dev zlib1g-dev
           python3 python3-torch python3-numpy python3-pytest python3-matplotlib
           python3-pyflakes python3-pycodestyle fortunes
-          clang libclang-rt-14-dev)
+          clang libclang-rt-14-dev clang-format)
 missing=()
 for package in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q "install ok installed" ||

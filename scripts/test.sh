@@ -92,16 +92,17 @@ if command -v clang++ >/dev/null 2>&1; then
   done
 fi
 
-# A formatted tree (the checked-in .clang-format), where clang-format is installed.
-if command -v clang-format >/dev/null 2>&1; then
-  if (cd "$root" && git ls-files '*.h' '*.hpp' '*.cpp' '*.cu' '*.cuh' |
+# A formatted tree (the checked-in .clang-format; install_deps.sh installs clang-format).
+if ! command -v clang-format >/dev/null 2>&1; then
+  summary+=("formatting: FAILED (clang-format is not installed; scripts/install_deps.sh installs it)")
+  status=1
+elif (cd "$root" && git ls-files '*.h' '*.hpp' '*.cpp' '*.cu' '*.cuh' |
       xargs clang-format --dry-run --Werror 2>"$root/build/format.log"); then
-    summary+=("formatting: clean")
-  else
-    head -20 "$root/build/format.log"
-    summary+=("formatting: FAILED (run clang-format -i on the files above)")
-    status=1
-  fi
+  summary+=("formatting: clean")
+else
+  head -20 "$root/build/format.log"
+  summary+=("formatting: FAILED (run clang-format -i on the files above)")
+  status=1
 fi
 
 # The Python files: pyflakes (unused names, undefined ones) and pycodestyle's layout rules at

@@ -248,11 +248,14 @@ class Muon(torch.optim.Optimizer):
 
     # -- helpers ------------------------------------------------------------------------------
 
+    def _label(self, param: torch.Tensor, group_index: int, index: int) -> str:
+        """The name given with the parameter, else where it is in param_groups."""
+        return self._param_names.get(param, f"param_groups[{group_index}]['params'][{index}]")
+
     def _name(self, param: torch.Tensor, group_index: int, index: int) -> str:
-        name = self._param_names.get(param)
-        if name is None:
-            name = f"param_groups[{group_index}]['params'][{index}]"
-        return f"{name} (shape {tuple(param.shape)}, {param.dtype}, {param.device})"
+        """The label with what an error message needs: shape, dtype and device."""
+        return (f"{self._label(param, group_index, index)} (shape {tuple(param.shape)}, {param.dtype}, "
+                f"{param.device})")
 
     def _muon_groups(self):
         """(index, group) of the groups this class steps (MuonWithAdamW leaves out the others)."""
@@ -415,11 +418,13 @@ class Muon(torch.optim.Optimizer):
             for index, param in enumerate(group["params"]):
                 name = self._name(param, group_index, index)
                 try:
-                    entries.append(self._entry(param, group, group_index, name))
+                    entry = self._entry(param, group, group_index, name)
                 except (ValueError, TypeError) as error:
                     failure = failure or error
-                    entries.append({"param": param, "stub": True, "group": group_index, "name": name,
-                                    "process_group": self._process_group_of(param, name)})
+                    entry = {"param": param, "stub": True, "group": group_index, "name": name,
+                             "process_group": self._process_group_of(param, name)}
+                entry["label"] = self._label(param, group_index, index)
+                entries.append(entry)
         return entries, failure
 
     def _process_group_of(self, param, name: str):
@@ -655,9 +660,10 @@ class Muon(torch.optim.Optimizer):
     @torch.no_grad()
     def plan(self) -> Dict[str, Dict[str, Any]]:
         """How the next step() would orthogonalize each Muon parameter, without taking it: by
-        parameter name, {"algorithm": "local", "duplicated", "gram_allreduce",
-        "gram_allreduce_redistributed" or "owner", "owner": the rank that orthogonalizes it
-        under "owner" (else None; a rank of the group the parameter is stepped over),
+        parameter name (the one given with it, else "param_groups[i]['params'][j]"),
+        {"algorithm": "local", "duplicated", "gram_allreduce", "gram_allreduce_redistributed" or
+        "owner", "owner": the rank that orthogonalizes it under "owner" (else None; a rank of
+        the group the parameter is stepped over),
         "gram_iteration": whether it runs Gram Newton-Schulz ((e)), "group_size": the ranks of
         the process group it is stepped over (a DTensor's: those of its cut mesh dimensions), and
         "redistributed": the placements a DTensor parameter is redistributed to for the
@@ -690,7 +696,7 @@ class Muon(torch.optim.Optimizer):
                                      "gram_iteration": bool(gram[i]),
                                      "group_size": group_size(e["process_group"]),
                                      "redistributed": e["regroup"]}
-        return {e["name"]: result[e["name"]] for e in entries}
+        return {e["label"]: result[e["name"]] for e in entries}
 
     def _momentum(self, param, local, name: str) -> torch.Tensor:
         """A parameter's momentum buffer (created as zeros on its first step; a DTensor

@@ -91,16 +91,15 @@ def _plan(rank, world):
     plan = optimizer.plan()
     assert len(plan) == len(params) + 1
     for i, p in enumerate(params):
-        entry = plan[optimizer._name(p, 0, i)]
+        entry = plan[f"param_groups[0]['params'][{i}]"]
         # Small matrices in a batch go to owners; (e) where it is fewer flops: the long ones.
         assert entry["algorithm"] == "owner", entry
         assert entry["owner"] in range(world), entry
         assert entry["gram_iteration"] == (i % 2 == 0), (i, entry)
         assert entry["group_size"] == world and entry["redistributed"] is None, entry
         assert torch.equal(p.detach(), before[i])  # no step taken
-    assert plan[optimizer._name(lone, 1, 0)] == {"algorithm": "local", "owner": None,
-                                                 "gram_iteration": False, "group_size": world,
-                                                 "redistributed": None}
+    assert plan["param_groups[1]['params'][0]"] == {"algorithm": "local", "owner": None, "gram_iteration": False,
+                                                    "group_size": world, "redistributed": None}
     assert {e["owner"] for e in plan.values() if e["owner"] is not None} == set(range(world))
     optimizer.step()  # the step the plan describes runs
     assert not torch.equal(params[0].detach(), before[0])

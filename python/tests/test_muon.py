@@ -524,6 +524,16 @@ def test_experts_and_fused_parts_are_orthogonalized_one_by_one():
     assert reference.relative_error(torch.cat(got[:3]), stack) > 1e-3
 
 
+def test_plan_is_keyed_by_the_names_given_with_the_parameters():
+    named = torch.nn.Parameter(torch.randn(8, 6))
+    unnamed = torch.nn.Parameter(torch.randn(6, 4))
+    optimizer = st.Muon([{"params": [("fc.weight", named)]}, {"params": [unnamed]}], lr=0.01)
+    named.grad, unnamed.grad = torch.randn(8, 6), torch.randn(6, 4)
+    plan = optimizer.plan()
+    assert list(plan) == ["fc.weight", "param_groups[1]['params'][0]"]
+    assert plan["fc.weight"]["algorithm"] == "local" and plan["fc.weight"]["group_size"] == 1
+
+
 def test_per_tensor_caches_find_only_the_tensor_they_were_given():
     from shardmuon.torch import _PerTensor
     table = _PerTensor()
