@@ -440,7 +440,7 @@ class Muon(torch.optim.Optimizer):
                              "cols, each expert on its own), or flat shards (partition_dim "
                              "\"flat\"); train this one with AdamW (see MuonWithAdamW)")
         blocks = getattr(param, "muon_row_blocks", None)
-        if param.ndim == 3 and blocks is not None and blocks != param.shape[0]:
+        if param.ndim == 3 and blocks not in (None, 1, param.shape[0]):  # 1: nothing to split
             raise ValueError(f"{name}: muon_row_blocks ({blocks!r}) is for 2D weights; a 3D parameter's "
                              f"matrices are its {param.shape[0]} experts (dim 0)")
         if param.dtype not in _DTYPES or (param.dtype == torch.float64 and param.is_cuda):
