@@ -93,10 +93,15 @@ struct CublasLtGemm::Plan {
 
 CublasLtGemm::CublasLtGemm() {
   SHARDMUON_CUBLAS(cublasLtCreate(&handle_));
-  workspace_ = make_device_memory(kCublasWorkspaceBytes);
-  workspace_bytes_ = kCublasWorkspaceBytes;
-  pointer_arrays_ = make_device_memory(4 * kPointerCapacity * sizeof(void*));
-  kept_arrays_ = make_device_memory(4 * kKeptCapacity * sizeof(void*));
+  try {
+    workspace_ = make_device_memory(kCublasWorkspaceBytes);
+    workspace_bytes_ = kCublasWorkspaceBytes;
+    pointer_arrays_ = make_device_memory(4 * kPointerCapacity * sizeof(void*));
+    kept_arrays_ = make_device_memory(4 * kKeptCapacity * sizeof(void*));
+  } catch (...) {  // no destructor runs for a constructor that throws
+    cublasLtDestroy(handle_);
+    throw;
+  }
 }
 
 CublasLtGemm::~CublasLtGemm() {
@@ -292,29 +297,28 @@ void CublasLtGemm::pointer_arrays_for(const PointerArraySource& source, cudaStre
       key.push_back(static_cast<int64_t>(reinterpret_cast<uintptr_t>(source.operands[i][p])));
     }
   }
-  auto kept = kept_offsets_.find(key);
-  bool fill = false;
-  if (kept == kept_offsets_.end() && kept_used_ + entries <= kKeptCapacity) {
+  void** const kept_base = static_cast<void**>(kept_arrays_.get());
+  const auto kept = kept_offsets_.find(key);
+  if (kept != kept_offsets_.end()) {  // filled by an earlier call
+    for (int i = 0; i < 4; ++i) arrays[i] = kept_base + i * kKeptCapacity + kept->second;
+    return;
+  }
+  bool keep = false;
+  if (kept_used_ + entries <= kKeptCapacity) {
     // Kept only if filled now: under capture the fill would run only when the graph does.
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     SHARDMUON_CUDA(cudaStreamIsCapturing(stream, &capture));
-    if (capture == cudaStreamCaptureStatusNone) {
-      kept = kept_offsets_.emplace(std::move(key), kept_used_).first;
-      kept_used_ += entries;
-      fill = true;
-    }
+    keep = capture == cudaStreamCaptureStatusNone;
   }
-  void** base = static_cast<void**>(pointer_arrays_.get());
-  int64_t capacity = kPointerCapacity, offset = 0;
-  if (kept != kept_offsets_.end()) {
-    base = static_cast<void**>(kept_arrays_.get());
-    capacity = kKeptCapacity;
-    offset = kept->second;
-  } else {
-    fill = true;
-  }
+  void** const base = keep ? kept_base : static_cast<void**>(pointer_arrays_.get());
+  const int64_t capacity = keep ? kKeptCapacity : kPointerCapacity, offset = keep ? kept_used_ : 0;
   for (int i = 0; i < 4; ++i) arrays[i] = base + i * capacity + offset;
-  if (fill) fill_pointer_arrays_cuda(source, arrays, stream);
+  fill_pointer_arrays_cuda(source, arrays, stream);
+  // Registered only once the fill is enqueued: a launch that failed must not be reused.
+  if (keep) {
+    kept_offsets_.emplace(std::move(key), kept_used_);
+    kept_used_ += entries;
+  }
 }
 
 }  // namespace shardmuon
