@@ -461,29 +461,15 @@ void launch_copy_rows(void* dst, size_t dst_pitch, const void* src, size_t src_p
 void copy_2d_cuda(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t row_bytes,
                   size_t rows, cudaStream_t stream) {
   if (rows == 0 || row_bytes == 0) return;
-  if (rows == 1 || (dst_pitch == row_bytes && src_pitch == row_bytes)) {
-    // One run of bytes. Not cudaMemcpy2DAsync: it refuses pitches above cudaDevAttrMaxPitch
-    // (2^31 - 1), which a whole buffer of 2 GiB or more passed as one row would be.
-    check_cuda(cudaMemcpyAsync(dst, src, row_bytes * rows, cudaMemcpyDeviceToDevice, stream),
-               "cudaMemcpyAsync");
-    return;
-  }
   // cudaMemcpy2DAsync stages a 3001 x 10007 bf16 matrix into a 3008 x 10008 one (rows of
   // 20014 bytes at pitches 20014 and 20016) in 91 us on an H200 (1.3 TB/s); this kernel's
   // 2-byte units take 62 us (1.9 TB/s).
   const uintptr_t bits = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) |
                          dst_pitch | src_pitch | row_bytes;
-  int device = 0, max_pitch = 0;
-  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
-  check_cuda(cudaDeviceGetAttribute(&max_pitch, cudaDevAttrMaxPitch, device),
-             "cudaDeviceGetAttribute(cudaDevAttrMaxPitch)");
-  const bool pitches_fit = std::max(dst_pitch, src_pitch) <= static_cast<size_t>(max_pitch);
-  if (bits % 16 == 0 && pitches_fit) {
+  if (rows == 1 || bits % 16 == 0) {
     check_cuda(cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, row_bytes, rows,
                                  cudaMemcpyDeviceToDevice, stream),
                "cudaMemcpy2DAsync");
-  } else if (bits % 16 == 0) {
-    launch_copy_rows<uint4>(dst, dst_pitch, src, src_pitch, row_bytes, rows, stream);
   } else if (bits % 8 == 0) {
     launch_copy_rows<uint2>(dst, dst_pitch, src, src_pitch, row_bytes, rows, stream);
   } else if (bits % 4 == 0) {
