@@ -36,19 +36,25 @@ shardmuon_layout make_layout(const Matrix& m, shardmuon_partition partition, int
 
 NsRun run_newton_schulz(const Group& group, const Matrix& input, shardmuon_dtype dtype,
                         shardmuon_partition partition, const std::vector<int64_t>& sizes,
-                        const shardmuon_ns_options& options) {
+                        const shardmuon_ns_options& options, size_t pointer_offset) {
   const Harness& harness = Harness::get();
   const int64_t extent = sharded_extent(input.rows, input.cols, partition);
   const std::vector<int64_t> actual_sizes =
       sizes.empty() ? balanced_sizes(extent, group.size) : sizes;
   NsRun run;
   run.input_shard = extract_shard(input, partition, actual_sizes, group.rank);
-  Buffer buffer = harness.upload(to_bytes(run.input_shard, dtype));
+  std::vector<unsigned char> bytes(pointer_offset, 0);
+  const std::vector<unsigned char> shard = to_bytes(run.input_shard, dtype);
+  bytes.insert(bytes.end(), shard.begin(), shard.end());
+  Buffer buffer = harness.upload(bytes);
   const shardmuon_layout layout = make_layout(input, partition, group.size, sizes);
-  run.status = shardmuon_newton_schulz(harness.context(), group.comm, buffer.data(), dtype, &layout,
-                                       &options, harness.stream());
+  run.status = shardmuon_newton_schulz(harness.context(), group.comm,
+                                       static_cast<char*>(buffer.data()) + pointer_offset, dtype,
+                                       &layout, &options, harness.stream());
   run.error = shardmuon_last_error();
-  run.output_shard = from_bytes(harness.download(buffer), dtype);
+  const std::vector<unsigned char> out = harness.download(buffer);
+  run.output_shard =
+      from_bytes(std::vector<unsigned char>(out.begin() + pointer_offset, out.end()), dtype);
   return run;
 }
 

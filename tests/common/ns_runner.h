@@ -29,10 +29,12 @@ std::vector<int64_t> pattern_sizes(ShardPattern pattern, int64_t extent, int par
 shardmuon_layout make_layout(const Matrix& m, shardmuon_partition partition, int parts,
                              const std::vector<int64_t>& sizes);
 
-// Every member of the group calls this; input must be representable in dtype.
+// Every member of the group calls this; input must be representable in dtype. The shard
+// starts `pointer_offset` bytes into its buffer (a multiple of the element size: a valid
+// address that need not be aligned further).
 NsRun run_newton_schulz(const Group& group, const Matrix& input, shardmuon_dtype dtype,
                         shardmuon_partition partition, const std::vector<int64_t>& sizes,
-                        const shardmuon_ns_options& options);
+                        const shardmuon_ns_options& options, size_t pointer_offset = 0);
 
 // Whether the call succeeded on every member: assert on this, not on the local status, so
 // that all ranks return together and none waits alone in a later collective.

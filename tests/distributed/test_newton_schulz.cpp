@@ -486,6 +486,36 @@ TEST_F(NewtonSchulzInvariants, ReplicatedIsIdenticalAcrossRanksAndDeterministic)
   }
 }
 
+// The C API asks only that a shard be aligned to its elements. A bf16 shard 2 bytes past a
+// 16-byte boundary, of sides that need no padding (so that on the GPU the last product
+// writes straight into it, at that alignment), gives the oracle's result in every layout.
+TEST_F(NewtonSchulzInvariants, BfloatShardsAlignedOnlyToTheirElements) {
+  const Shape shape{64, 128};
+  const shardmuon_dtype dtype = SHARDMUON_BFLOAT16;
+  const Matrix input = input_for(shape, dtype);
+  const Matrix& reference = cached_reference(shape_key(shape, dtype, "quintic5"), input,
+                                             coefficients_for(SHARDMUON_SCHEDULE_QUINTIC, 5), kEps);
+  for_each_group(1, [&](const Group& group) {
+    for (shardmuon_partition partition :
+         {SHARDMUON_REPLICATED, SHARDMUON_SHARDED_DIM0, SHARDMUON_SHARDED_DIM1}) {
+      const NsRun run =
+          run_newton_schulz(group, input, dtype, partition, {},
+                            make_options(SHARDMUON_SCHEDULE_QUINTIC, 5, SHARDMUON_NS_AUTO), 2);
+      ASSERT_TRUE(all_succeeded(run, group)) << run.error;
+      const int64_t extent = sharded_extent(shape.rows, shape.cols, partition);
+      const std::vector<double> expected =
+          extract_shard(reference, partition, balanced_sizes(extent, group.size), group.rank);
+      const double error =
+          partition == SHARDMUON_REPLICATED
+              ? group_max(group_relative_error(run.output_shard, expected, MPI_COMM_SELF),
+                          group.mpi)
+              : group_relative_error(run.output_shard, expected, group.mpi);
+      report_error(error, tolerance_for(dtype), group.rank);
+      EXPECT_LT(error, tolerance_for(dtype)) << partition_label(partition);
+    }
+  });
+}
+
 // The GPU's symmetric products split a Gram side into 512-wide blocks, the last wider: the
 // padded side 2088 gives 512, 512, 512 and 552, so every product runs tiles of three shapes
 // (the CPU's split every 32 columns, so the other tests cover the CPU path); this side also
