@@ -493,8 +493,9 @@ TEST_F(NewtonSchulzInvariants, BfloatShardsAlignedOnlyToTheirElements) {
   const Shape shape{64, 128};
   const shardmuon_dtype dtype = SHARDMUON_BFLOAT16;
   const Matrix input = input_for(shape, dtype);
-  const Matrix& reference = cached_reference(shape_key(shape, dtype, "quintic5"), input,
-                                             coefficients_for(SHARDMUON_SCHEDULE_QUINTIC, 5), kEps);
+  const std::string key = shape_key(shape, dtype, "quintic5");
+  const auto coefficients = coefficients_for(SHARDMUON_SCHEDULE_QUINTIC, 5);
+  const Matrix& reference = cached_reference(key, input, coefficients, kEps);
   for_each_group(1, [&](const Group& group) {
     for (shardmuon_partition partition :
          {SHARDMUON_REPLICATED, SHARDMUON_SHARDED_DIM0, SHARDMUON_SHARDED_DIM1}) {
