@@ -210,7 +210,6 @@ ValidatedMuonStep validate_muon_step(const Backend& backend, const Communicator&
       }
       throw Failure(e.status(), message);
     }
-    backend.check_matrix_shape(layout.rows(), layout.cols(), name + ".layout");
     const shardmuon_muon_group& group = groups[group_index];
     check_algorithm_fits_layout(
         group.ns.algorithm, layout,
@@ -235,6 +234,9 @@ ValidatedMuonStep validate_muon_step(const Backend& backend, const Communicator&
     const int64_t row_blocks = p.row_blocks == 0 ? 1 : p.row_blocks;
     SHARDMUON_CHECK_ARG(row_blocks >= 1 && layout.rows() % row_blocks == 0, name, ".row_blocks (",
                         p.row_blocks, ") must divide the ", layout.rows(), " rows");
+    // The products see each stacked matrix on its own.
+    backend.check_matrix_shape(layout.rows() / row_blocks, layout.cols(),
+                               row_blocks > 1 ? name + ".layout / row_blocks" : name + ".layout");
     // Each stacked matrix is scaled by its own shape.
     const double step_size_per_lr =
         group.extra_scale_factor *
