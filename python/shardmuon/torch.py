@@ -67,18 +67,23 @@ class _PerTensor:
     def __init__(self):
         self._entries: Dict[int, Tuple[Any, Any]] = {}
 
-    def get(self, tensor, default=None):
+    def _entry(self, tensor):
+        """(weak reference, value) of this very tensor, or None."""
         entry = self._entries.get(id(tensor))
-        return entry[1] if entry is not None and entry[0]() is tensor else default
+        return entry if entry is not None and entry[0]() is tensor else None
+
+    def get(self, tensor, default=None):
+        entry = self._entry(tensor)
+        return default if entry is None else entry[1]
 
     def __contains__(self, tensor) -> bool:
-        entry = self._entries.get(id(tensor))
-        return entry is not None and entry[0]() is tensor
+        return self._entry(tensor) is not None
 
     def __getitem__(self, tensor):
-        if tensor not in self:
+        entry = self._entry(tensor)
+        if entry is None:
             raise KeyError(f"tensor of shape {tuple(tensor.shape)}")
-        return self._entries[id(tensor)][1]
+        return entry[1]
 
     def __setitem__(self, tensor, value) -> None:
         key = id(tensor)
@@ -252,10 +257,10 @@ class Muon(torch.optim.Optimizer):
         """The name given with the parameter, else where it is in param_groups."""
         return self._param_names.get(param, f"param_groups[{group_index}]['params'][{index}]")
 
-    def _name(self, param: torch.Tensor, group_index: int, index: int) -> str:
+    def _name(self, param: torch.Tensor, group_index: int, index: int, label: Optional[str] = None) -> str:
         """The label with what an error message needs: shape, dtype and device."""
-        return (f"{self._label(param, group_index, index)} (shape {tuple(param.shape)}, {param.dtype}, "
-                f"{param.device})")
+        label = self._label(param, group_index, index) if label is None else label
+        return f"{label} (shape {tuple(param.shape)}, {param.dtype}, {param.device})"
 
     def _muon_groups(self):
         """(index, group) of the groups this class steps (MuonWithAdamW leaves out the others)."""
@@ -416,14 +421,15 @@ class Muon(torch.optim.Optimizer):
         entries, failure = [], None
         for group_index, group in self._muon_groups():
             for index, param in enumerate(group["params"]):
-                name = self._name(param, group_index, index)
+                label = self._label(param, group_index, index)
+                name = self._name(param, group_index, index, label)
                 try:
                     entry = self._entry(param, group, group_index, name)
                 except (ValueError, TypeError) as error:
                     failure = failure or error
                     entry = {"param": param, "stub": True, "group": group_index, "name": name,
                              "process_group": self._process_group_of(param, name)}
-                entry["label"] = self._label(param, group_index, index)
+                entry["label"] = label
                 entries.append(entry)
         return entries, failure
 
