@@ -96,52 +96,41 @@ void run(const char* dtype_name, shardmuon_dtype dtype, int64_t rows, int64_t co
                                   "copy");
                           },
                           stream)});
-  for (bool l2 : {false, true}) {
+  // Timed passes over these buffers, with the update in update_dtype (ns_storage).
+  auto time_momentum = [&](const char* name, double bytes_moved, shardmuon_dtype update_dtype,
+                           bool l2) {
     shardmuon::MomentumPass pass;
     pass.grad = grad;
     pass.param = l2 ? param : nullptr;
     pass.momentum = momentum;
     pass.update = update;
     pass.dtype = dtype;
-    pass.update_dtype = dtype;
+    pass.update_dtype = update_dtype;
     pass.count = count;
     pass.beta = 0.95;
     pass.nesterov = true;
     pass.l2_decay = l2 ? 0.01 : 0.0;
     rows_out.push_back(
-        {l2 ? "momentum pass, L2 decay" : "momentum pass (Nesterov)", (l2 ? 5.0 : 4.0) * bytes,
+        {name, bytes_moved,
          median_ms([&](cudaStream_t s) { shardmuon::momentum_pass_cuda(pass, s); }, stream)});
-  }
-  rows_out.push_back({"update pass", 3.0 * bytes,
-                      median_ms(
-                          [&](cudaStream_t s) {
-                            shardmuon::update_pass_cuda(param, dtype, update, dtype, count,
-                                                        0.999997, 1e-4,
-                                                        shardmuon::DeviceLearningRate{}, s);
-                          },
-                          stream)});
-  if (dtype == SHARDMUON_FLOAT32) {
-    // ns_storage BFLOAT16: float32 state, the update in bf16 (half of the buffer's bytes).
-    shardmuon::MomentumPass pass;
-    pass.grad = grad;
-    pass.momentum = momentum;
-    pass.update = update;
-    pass.dtype = dtype;
-    pass.update_dtype = SHARDMUON_BFLOAT16;
-    pass.count = count;
-    pass.beta = 0.95;
-    pass.nesterov = true;
-    rows_out.push_back(
-        {"momentum pass, bf16 update", 3.5 * bytes,
-         median_ms([&](cudaStream_t s) { shardmuon::momentum_pass_cuda(pass, s); }, stream)});
-    rows_out.push_back({"update pass, bf16 update", 2.5 * bytes,
+  };
+  auto time_update = [&](const char* name, double bytes_moved, shardmuon_dtype update_dtype) {
+    rows_out.push_back({name, bytes_moved,
                         median_ms(
                             [&](cudaStream_t s) {
-                              shardmuon::update_pass_cuda(param, dtype, update, SHARDMUON_BFLOAT16,
-                                                          count, 0.999997, 1e-4,
+                              shardmuon::update_pass_cuda(param, dtype, update, update_dtype, count,
+                                                          0.999997, 1e-4,
                                                           shardmuon::DeviceLearningRate{}, s);
                             },
                             stream)});
+  };
+  time_momentum("momentum pass (Nesterov)", 4.0 * bytes, dtype, false);
+  time_momentum("momentum pass, L2 decay", 5.0 * bytes, dtype, true);
+  time_update("update pass", 3.0 * bytes, dtype);
+  if (dtype == SHARDMUON_FLOAT32) {
+    // ns_storage BFLOAT16: float32 state, the update in bf16 (half of the buffer's bytes).
+    time_momentum("momentum pass, bf16 update", 3.5 * bytes, SHARDMUON_BFLOAT16, false);
+    time_update("update pass, bf16 update", 2.5 * bytes, SHARDMUON_BFLOAT16);
   }
 
   const double copy_rate = rows_out[0].bytes_moved / (rows_out[0].ms * 1e-3) / 1e9;
