@@ -42,6 +42,35 @@ def shape_scaling(rows, cols):
     return max(1.0, rows / cols) ** 0.5
 
 
+def random_state(shapes, device, dtype):
+    """(weight, gradient, momentum) of every (name, rows, cols), the same for every candidate."""
+    generator = torch.Generator(device=device).manual_seed(2024)
+    state = []
+    for _, rows, cols in shapes:
+        w = 0.02 * torch.randn(rows, cols, device=device, generator=generator)
+        g = torch.randn(rows, cols, device=device, generator=generator)
+        m = 0.1 * torch.randn(rows, cols, device=device, generator=generator)
+        state.append((w.to(dtype), g.to(dtype), m.to(dtype)))
+    return state
+
+
+def reference_updates(initial, shapes):
+    """Every parameter's update (new weight minus old) in a float64 step from `initial`."""
+    references = []
+    for (w, g, m), (_, rows, cols) in zip(initial, shapes):
+        w, g, m = w.double(), g.double(), m.double()
+        m = m.lerp(g, 1 - MOMENTUM)
+        orthogonal = torch_newton_schulz(g.lerp(m, MOMENTUM), COEFFICIENTS, torch.float64)
+        references.append(-LR * WEIGHT_DECAY * w - LR * shape_scaling(rows, cols) * orthogonal)
+    return references
+
+
+def worst_update_error(params, initial, references):
+    """The largest relative Frobenius error of a parameter's update against its reference."""
+    return max(float(((p.detach().double() - w.double()) - r).norm() / r.norm())
+               for p, (w, _, _), r in zip(params, initial, references))
+
+
 def main():
     args = standard_arguments(__doc__, layers=2).parse_args()
 
@@ -52,13 +81,7 @@ def main():
 
     shapes = [(f"layers.{layer}.{name}", rows // args.scale, cols // args.scale)
               for layer in range(args.layers) for name, rows, cols, _ in LAYER]
-    generator = torch.Generator(device=device).manual_seed(2024)
-    initial = []
-    for _, rows, cols in shapes:
-        w = 0.02 * torch.randn(rows, cols, device=device, generator=generator)
-        g = torch.randn(rows, cols, device=device, generator=generator)
-        m = 0.1 * torch.randn(rows, cols, device=device, generator=generator)
-        initial.append((w, g, m))
+    initial = random_state(shapes, device, torch.float32)
     useful = sum(STEPS * (4 * min(r, c) ** 2 * max(r, c) + 2 * min(r, c) ** 3) for _, r, c in shapes)
     rates = {}
     for dtype, n in ((torch.bfloat16, 8192), (torch.float32, 4096)):
@@ -66,14 +89,7 @@ def main():
         a = torch.randn(n, n, device=device).to(dtype)
         rates[dtype] = 2 * n**3 / (clock.median_ms(lambda: None, lambda: a @ a) * 1e-3)
 
-    # The float64 step's update of every parameter.
-    references = []
-    for (w, g, m), (_, rows, cols) in zip(initial, shapes):
-        w, g, m = w.double(), g.double(), m.double()
-        m = m.lerp(g, 1 - MOMENTUM)
-        orthogonal = torch_newton_schulz(g.lerp(m, MOMENTUM), COEFFICIENTS, torch.float64)
-        references.append(-LR * WEIGHT_DECAY * w - LR * shape_scaling(rows, cols) * orthogonal)
-
+    references = reference_updates(initial, shapes)
     params = [torch.nn.Parameter(w.clone()) for w, _, _ in initial]
 
     def reset(optimizer):
@@ -81,10 +97,6 @@ def main():
             p.data.copy_(w)
             p.grad = g.clone()
             optimizer.state[p]["momentum_buffer"] = m.clone()
-
-    def worst_update_error():
-        return max(float(((p.detach().double() - w.double()) - r).norm() / r.norm())
-                   for p, (w, _, _), r in zip(params, initial, references))
 
     common = dict(lr=LR, momentum=MOMENTUM, nesterov=True, weight_decay=WEIGHT_DECAY)
     candidates = [("shardmuon, ns_dtype float32 (default)", torch.float32,
@@ -110,7 +122,7 @@ def main():
             executed = sum(floor_ms(min(r, c), max(r, c), STEPS, rate_names, dtype_name, 1, "local",
                                     plan["gram_iteration"])[0]
                            for (_, r, c), plan in zip(shapes, optimizer.plan().values()))
-        results[label] = (ns_dtype, ms, worst_update_error(), executed)
+        results[label] = (ns_dtype, ms, worst_update_error(params, initial, references), executed)
 
     report = Report()
     emit = report.emit

@@ -37,7 +37,7 @@ std::vector<ParamRun> planned_runs(shardmuon_context_t context, shardmuon_comm_t
     runs[i].algorithm = shardmuon::reported_algorithm(ns);
     runs[i].gram_iteration = ns.gram_iteration;
     for (const shardmuon::OwnedMatrix& m : step.owned) {
-      if (m.param == i) {  // the first of its matrices
+      if (m.param == i && m.block == 0) {  // the first of its matrices
         runs[i] = {SHARDMUON_NS_OWNER, m.owner, m.whole.plan.gram_iteration};
         break;
       }

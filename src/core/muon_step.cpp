@@ -306,6 +306,42 @@ ValidatedMuonStep validate_muon_step(const Backend& backend, const Communicator&
 
 namespace {
 
+// Two matrices can run in one strided batch (NsProblem::batch): both local, with the same
+// problem.
+bool batchable_together(const NsProblem& a, const NsProblem& b) {
+  auto same = [](const Coefficients& x, const Coefficients& y) {
+    return x.a == y.a && x.b == y.b && x.c == y.c;
+  };
+  return a.plan.algorithm == NsPlan::Algorithm::kLocal &&
+         b.plan.algorithm == NsPlan::Algorithm::kLocal && a.dtype == b.dtype &&
+         a.layout.rows() == b.layout.rows() && a.layout.cols() == b.layout.cols() &&
+         a.plan.gram_iteration == b.plan.gram_iteration && a.eps == b.eps &&
+         std::equal(a.coefficients.begin(), a.coefficients.end(), b.coefficients.begin(),
+                    b.coefficients.end(), same);
+}
+
+// The positions 0 .. count - 1, those whose problems can share a batch next to each other:
+// each kind of problem where it first appears, and in their own order within it.
+template <typename ProblemOf>
+std::vector<size_t> grouped_by_problem(size_t count, ProblemOf problem_of) {
+  std::vector<std::vector<size_t>> groups;
+  for (size_t k = 0; k < count; ++k) {
+    auto same = std::find_if(groups.begin(), groups.end(), [&](const std::vector<size_t>& group) {
+      return batchable_together(problem_of(group.front()), problem_of(k));
+    });
+    if (same == groups.end()) {
+      groups.push_back({k});
+    } else {
+      same->push_back(k);
+    }
+  }
+  std::vector<size_t> order;
+  order.reserve(count);
+  for (const std::vector<size_t>& group : groups)
+    order.insert(order.end(), group.begin(), group.end());
+  return order;
+}
+
 // The standard and the Gram iteration of a whole matrix on one rank, by the cost model.
 struct LocalCosts {
   double standard = 0.0, gram = 0.0;
@@ -333,6 +369,7 @@ std::vector<OwnedMatrix> matrices_of(const MuonParamPlan& plan, size_t index) {
   auto add = [&](const NsProblem& ns, int64_t offset) {
     OwnedMatrix m;
     m.param = index;
+    m.block = matrices.size();
     m.offset = offset;
     m.ns = ns;
     m.whole = ns;
@@ -425,8 +462,15 @@ void plan_owners(ValidatedMuonStep& step, int ranks) {
     }
   }
   std::sort(batch.begin(), batch.end());
-  step.owned = matrices_of_all(batch);
-  assign(step.owned);
+  std::vector<OwnedMatrix> owned = matrices_of_all(batch);
+  assign(owned);
+  // The matrices with the same problem next to each other (and so in each owner's list), so
+  // that an owner runs them as strided batches (run_owner_batch): one launch per product for
+  // all of a model's layers of one shape, not one per matrix.
+  const std::vector<size_t> order = grouped_by_problem(
+      owned.size(), [&](size_t k) -> const NsProblem& { return owned[k].whole; });
+  step.owned.clear();
+  for (size_t k : order) step.owned.push_back(std::move(owned[k]));
   for (size_t i : batch) step.plans[i].owned = true;
 }
 
@@ -481,18 +525,6 @@ size_t exchanged_bytes(const OwnedMatrix& m, int rank) {
 // at a time: batching them saves nothing).
 constexpr size_t kBatchScratchBytes = size_t{256} << 20;
 
-bool batchable_together(const NsProblem& a, const NsProblem& b) {
-  auto same = [](const Coefficients& x, const Coefficients& y) {
-    return x.a == y.a && x.b == y.b && x.c == y.c;
-  };
-  return a.plan.algorithm == NsPlan::Algorithm::kLocal &&
-         b.plan.algorithm == NsPlan::Algorithm::kLocal && a.dtype == b.dtype &&
-         a.layout.rows() == b.layout.rows() && a.layout.cols() == b.layout.cols() &&
-         a.plan.gram_iteration == b.plan.gram_iteration && a.eps == b.eps &&
-         std::equal(a.coefficients.begin(), a.coefficients.end(), b.coefficients.begin(),
-                    b.coefficients.end(), same);
-}
-
 // The largest batch of `one` (1 unless its plan is local). $SHARDMUON_MAX_NS_BATCH caps it
 // (1: every matrix on its own), for comparing in benchmarks; it changes no collective, so
 // ranks may differ in it.
@@ -545,6 +577,13 @@ size_t batch_scratch_bytes(const Backend& backend, const NsProblem& one, size_t 
   return newton_schulz_workspace_bytes(backend, batch_of(one, count), rank, ranks);
 }
 
+// A parameter this rank orthogonalizes whole and by itself: not in the owner batch, one
+// matrix, a local plan (replicated, or a group of one rank).
+bool runs_alone(const MuonParamPlan& plan) {
+  return plan.has_grad && !plan.owned && plan.row_blocks.empty() &&
+         plan.ns.plan.algorithm == NsPlan::Algorithm::kLocal;
+}
+
 // Where a step's buffers lie in the workspace, on one rank (offsets from its start):
 //   flags (checked): the step's, then one per parameter;
 //   new momentum (checked) and the update: one buffer each per parameter with a gradient;
@@ -566,6 +605,10 @@ struct StepLayout {
   size_t gathered = 0, gather_block_bytes = 0;  // replicated results, one block per rank
   std::vector<size_t> result;                   // per replicated matrix: within its block
   bool gathers = false;
+  // The parameters this rank orthogonalizes whole and alone (runs_alone), those with the same
+  // problem next to each other: their update buffers are taken in this order, one after
+  // another, so that they run as strided batches.
+  std::vector<size_t> alone;
   size_t scratch = 0, total = 0;
 
   static StepLayout of(const Backend& backend, const ValidatedMuonStep& step, int rank, int ranks,
@@ -589,10 +632,20 @@ struct StepLayout {
     }
     layout.new_momentum.assign(n, 0);
     layout.update.assign(n, 0);
+    std::vector<size_t> alone;
     for (size_t i = 0; i < n; ++i) {
       if (!step.plans[i].has_grad) continue;
       if (checked) layout.new_momentum[i] = take(momentum_bytes(step.plans[i], rank));
-      if (!update_in_send_slot[i]) layout.update[i] = take(update_bytes(step.plans[i], rank));
+      if (runs_alone(step.plans[i])) {
+        alone.push_back(i);
+      } else if (!update_in_send_slot[i]) {
+        layout.update[i] = take(update_bytes(step.plans[i], rank));
+      }
+    }
+    for (size_t k : grouped_by_problem(
+             alone.size(), [&](size_t k) -> const NsProblem& { return step.plans[alone[k]].ns; })) {
+      layout.alone.push_back(alone[k]);
+      layout.update[alone[k]] = take(update_bytes(step.plans[alone[k]], rank));
     }
 
     layout.sent.assign(owned, 0);
@@ -641,9 +694,19 @@ struct StepLayout {
       layout.gather_block_bytes = *std::max_element(results_of.begin(), results_of.end());
       layout.gathered = take(layout.gather_block_bytes * ranks);
     }
+    for (size_t k = 0; k < layout.alone.size();) {  // a batch per run of one problem
+      const NsProblem& ns = step.plans[layout.alone[k]].ns;
+      size_t end = k + 1;
+      while (end < layout.alone.size() &&
+             batchable_together(ns, step.plans[layout.alone[end]].ns)) {
+        ++end;
+      }
+      scratch = std::max(scratch, batch_scratch_bytes(backend, ns, end - k, rank, ranks));
+      k = end;
+    }
     for (size_t i = 0; i < n; ++i) {
       const MuonParamPlan& plan = step.plans[i];
-      if (!plan.has_grad || plan.owned) continue;
+      if (!plan.has_grad || plan.owned || runs_alone(plan)) continue;
       if (plan.row_blocks.empty()) {
         scratch = std::max(scratch, newton_schulz_workspace_bytes(backend, plan.ns, rank, ranks));
       }
@@ -827,7 +890,8 @@ size_t muon_step_workspace_bytes(const Backend& backend, const ValidatedMuonStep
 }
 
 // The step: momentum passes into update buffers, the Newton-Schulz of every update (the
-// owner batch together, the others one by one), then the writes. A checked step (SKIP or
+// owner batch together, then those this rank runs alone in batches, then the others one by
+// one), then the writes. A checked step (SKIP or
 // RAISE) computes the new momentum aside and writes param and momentum only where no flag
 // is set: a non-finite gradient on any rank flags the step, a non-finite update its
 // parameter (summed over the ranks, so that a sharded parameter is skipped everywhere or
@@ -854,9 +918,14 @@ void run_muon_step(Backend& backend, Communicator& comm, const ValidatedMuonStep
                       checked ? base + layout.new_momentum[i] : nullptr, flags, stream);
   }
   if (!step.owned.empty()) run_owner_batch(backend, comm, step, layout, base, stream);
+  run_in_batches(
+      backend, comm, layout.alone.size(),
+      [&](size_t k) -> const NsProblem& { return step.plans[layout.alone[k]].ns; },
+      [&](size_t k) -> void* { return base + layout.update[layout.alone[k]]; }, stream,
+      layout.scratch);
   for (size_t i = 0; i < step.plans.size(); ++i) {
     const MuonParamPlan& plan = step.plans[i];
-    if (!plan.has_grad || plan.owned) continue;
+    if (!plan.has_grad || plan.owned || runs_alone(plan)) continue;
     char* update = base + layout.update[i];
     if (plan.row_blocks.empty()) {
       run_newton_schulz(backend, comm, plan.ns, update, stream, layout.scratch);

@@ -40,6 +40,7 @@ struct MuonParamPlan {
 // A matrix of the owner batch: a parameter, or one of its stacked blocks.
 struct OwnedMatrix {
   size_t param = 0;    // index into the plans
+  size_t block = 0;    // which of its stacked matrices (row_blocks; 0 when it has one)
   int64_t offset = 0;  // elements into the parameter's local shard where this matrix starts
   NsProblem ns;        // its layout over the group (sharded, or replicated)
   NsProblem whole;     // the owner's local problem on the whole matrix
@@ -48,7 +49,9 @@ struct OwnedMatrix {
 
 struct ValidatedMuonStep {
   std::vector<MuonParamPlan> plans;
-  std::vector<OwnedMatrix> owned;  // the owner batch, in parameter (then block) order
+  // The owner batch: in parameter (then block) order, except that the matrices with the same
+  // problem are next to each other (where the first of them is).
+  std::vector<OwnedMatrix> owned;
   uint64_t digest = 0;
   std::string description;
 };

@@ -627,6 +627,47 @@ TEST_F(MuonStepBatches, SameShapedMatricesRunAsBatches) {
   });
 }
 
+// Separate parameters of a model's few shapes, layer after layer (16 x 24 float32 and
+// 32 x 16 bf16 fill their slots exactly): those of one problem are put next to each other and
+// run as strided batches, whether a rank runs them alone (one rank; replicated under AUTO and
+// DUPLICATED) or as their owner (OWNER). Beside them what must not join their batches: the
+// same shape in the other dtype or under the other group's schedule, an odd shape whose
+// slots leave gaps, a parameter without gradient, and sharded ones. On 1-4 ranks.
+TEST_F(MuonStepBatches, InterleavedShapesRunInBatchesOfTheirOwn) {
+  for_each_group(1, [&](const Group& group) {
+    const int p = group.size;
+    for (const shardmuon_ns_algorithm algorithm :
+         {SHARDMUON_NS_AUTO, SHARDMUON_NS_DUPLICATED, SHARDMUON_NS_OWNER}) {
+      std::vector<Parameter> params;
+      for (int layer = 0; layer < 3; ++layer) {
+        const uint64_t seed = 200 + 10 * static_cast<uint64_t>(layer);
+        params.push_back(
+            make_parameter(16, 24, SHARDMUON_FLOAT32, SHARDMUON_REPLICATED, p, seed, 2));
+        params.push_back(
+            make_parameter(32, 16, SHARDMUON_BFLOAT16, SHARDMUON_REPLICATED, p, seed + 1, 2));
+        params.push_back(
+            make_parameter(24, 16, SHARDMUON_FLOAT32, SHARDMUON_SHARDED_DIM1, p, seed + 2, 2));
+        params.push_back(
+            make_parameter(16, 24, SHARDMUON_FLOAT32, SHARDMUON_REPLICATED, p, seed + 3, 2));
+        params.back().group = 1;  // polar_express: not in group 0's batches
+        params.push_back(
+            make_parameter(16, 24, SHARDMUON_BFLOAT16, SHARDMUON_REPLICATED, p, seed + 4, 2));
+        params.push_back(
+            make_parameter(13, 7, SHARDMUON_FLOAT32, SHARDMUON_REPLICATED, p, seed + 5, 2));
+      }
+      params[7].has_grad = false;  // the second layer's 32 x 16: left as it is
+      StepRun run{params,
+                  {ReferenceGroup{}, ReferenceGroup{}},
+                  {SHARDMUON_SCHEDULE_QUINTIC, SHARDMUON_SCHEDULE_POLAR_EXPRESS},
+                  {5, 6}};
+      run.algorithm = algorithm;
+      run_and_compare(
+          group, run, 2,
+          "interleaved shapes, algorithm " + std::to_string(algorithm) + " P=" + std::to_string(p));
+    }
+  });
+}
+
 // Stacked matrices (row_blocks), each orthogonalized and scaled on its own: a mixture-of-
 // experts weight (4 experts of 9 x 20), a fused QKV split by head (6 heads of 5 rows) sharded
 // along its rows unevenly, so that heads straddle ranks, gate/up halves sharded along the
