@@ -6,6 +6,7 @@
 //   momentum pass (Nesterov, decoupled decay):      read grad, momentum; write momentum, update
 //   momentum pass (L2 decay, which reads param too): read 3, write 2
 //   update pass:                                    read param, update; write param
+//   finite check of the update (checked steps):     read 1
 // Time: CUDA events around each launch, 5 warm-up runs, the median of 30; buffers of
 // 8192 x 28672 elements (470 MB each in bf16), far larger than the 60 MB L2.
 //
@@ -127,6 +128,14 @@ void run(const char* dtype_name, shardmuon_dtype dtype, int64_t rows, int64_t co
   time_momentum("momentum pass (Nesterov)", 4.0 * bytes, dtype, false);
   time_momentum("momentum pass, L2 decay", 5.0 * bytes, dtype, true);
   time_update("update pass", 3.0 * bytes, dtype);
+  float* flag = nullptr;
+  check(cudaMalloc(&flag, sizeof(float)), "cudaMalloc");
+  rows_out.push_back(
+      {"finite check", 1.0 * bytes,
+       median_ms(
+           [&](cudaStream_t s) { shardmuon::flag_nonfinite_cuda(update, dtype, count, flag, s); },
+           stream)});
+  cudaFree(flag);
   if (dtype == SHARDMUON_FLOAT32) {
     // ns_storage BFLOAT16: float32 state, the update in bf16 (half of the buffer's bytes).
     time_momentum("momentum pass, bf16 update", 3.5 * bytes, SHARDMUON_BFLOAT16, false);

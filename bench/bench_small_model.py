@@ -1,7 +1,9 @@
 """Small models on one GPU: the Muon step of GPT-2-class weights, many matrices with sides of
 768 to 4096, where one product takes a few microseconds and kernel launches and host work weigh
-as much as the flops. shardmuon.torch.Muon, eager and captured in a CUDA graph, against
-torch.optim.Muon, in the same run, on the same inputs, each checked against float64.
+as much as the flops. shardmuon.torch.Muon, eager and captured in a CUDA graph, and eager
+with every matrix on its own (SHARDMUON_MAX_NS_BATCH=1, not the parameters of one shape as
+strided batches), against torch.optim.Muon, in the same run, on the same inputs, each checked
+against float64.
 
     python3 bench/bench_small_model.py [--model gpt2] [--weights bfloat16] [--repeats 20] [--out DIR]
     python3 bench/bench_small_model.py --device cpu --layers 1 --scale 8   # a smoke test
@@ -121,15 +123,21 @@ def main():
         return st.Muon(params, **common, coefficient_type="simple", num_ns_steps=STEPS,
                        scale_mode="shape_scaling", **ns_dtype)
 
-    candidates = [("shardmuon", shardmuon, False)]
+    # (label, optimizer, captured, SHARDMUON_MAX_NS_BATCH): with a cap of 1 every matrix runs
+    # on its own, as before parameters of one shape were batched.
+    candidates = [("shardmuon", shardmuon, False, None),
+                  ("shardmuon, one matrix per batch", shardmuon, False, "1")]
     if device.type == "cuda":
-        candidates.append(("shardmuon, captured in a CUDA graph", shardmuon, True))
+        candidates.append(("shardmuon, captured in a CUDA graph", shardmuon, True, None))
     if hasattr(torch.optim, "Muon"):
         candidates.append(("torch.optim.Muon", lambda: torch.optim.Muon(params, **common, ns_steps=STEPS, eps=1e-7),
-                           False))
+                           False, None))
 
     results = {}
-    for label, make, captured in candidates:
+    for label, make, captured, batch_cap in candidates:
+        os.environ.pop("SHARDMUON_MAX_NS_BATCH", None)
+        if batch_cap is not None:
+            os.environ["SHARDMUON_MAX_NS_BATCH"] = batch_cap
         for p in params:
             p.grad = None
         optimizer = make()
@@ -153,6 +161,7 @@ def main():
                                  plan["gram_iteration"])[0]
                         for (_, r, c), plan in zip(shapes, optimizer.plan().values()))
         results[label] = (gpu_ms, host_ms, floor, worst_update_error(params, initial, references))
+    os.environ.pop("SHARDMUON_MAX_NS_BATCH", None)
 
     report = Report()
     emit = report.emit

@@ -131,12 +131,17 @@ __global__ void commit_kernel(T* __restrict__ param, const U* __restrict__ updat
   }
 }
 
-template <typename T>
-__global__ void flag_nonfinite_kernel(const T* x, int64_t count, float* flag) {
+// N elements per access as in the passes (count a multiple of N): a check of one element per
+// access ran at a fraction of the copy rate.
+template <typename T, int N>
+__global__ void flag_nonfinite_kernel(const T* __restrict__ x, int64_t count, float* flag) {
+  using V = Vector<T, N>;
   bool bad = false;
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < count;
-       i += int64_t{gridDim.x} * blockDim.x) {
-    bad |= !isfinite(to_float(x[i]));
+  for (int64_t i = (blockIdx.x * int64_t{blockDim.x} + threadIdx.x) * N; i < count;
+       i += int64_t{gridDim.x} * blockDim.x * N) {
+    const V v = *reinterpret_cast<const V*>(x + i);
+#pragma unroll
+    for (int j = 0; j < N; ++j) bad |= !isfinite(to_float(v.values[j]));
   }
   if (bad) *flag = 1.0f;  // every writer writes the same value
 }
@@ -261,13 +266,25 @@ void commit_pass_cuda(const CommitPass& pass, cudaStream_t stream) {
 void flag_nonfinite_cuda(const void* x, shardmuon_dtype dtype, int64_t count, float* flag,
                          cudaStream_t stream) {
   if (count == 0) return;
+  auto launch = [&](auto element) {
+    using T = decltype(element);
+    constexpr int N = kVectorBytes / sizeof(T);
+    const T* values = static_cast<const T*>(x);
+    const int64_t bulk = aligned(values) ? count / N * N : 0;
+    if (bulk > 0) {
+      launch_kernel("flag_nonfinite_kernel", flag_nonfinite_kernel<T, N>, dim3(grid_for(bulk / N)),
+                    dim3(kThreads), stream, values, bulk, flag);
+    }
+    if (count > bulk) {
+      launch_kernel("flag_nonfinite_kernel", flag_nonfinite_kernel<T, 1>,
+                    dim3(grid_for(count - bulk)), dim3(kThreads), stream, values + bulk,
+                    count - bulk, flag);
+    }
+  };
   if (dtype == SHARDMUON_BFLOAT16) {
-    launch_kernel("flag_nonfinite_kernel", flag_nonfinite_kernel<__nv_bfloat16>,
-                  dim3(grid_for(count)), dim3(kThreads), stream,
-                  static_cast<const __nv_bfloat16*>(x), count, flag);
+    launch(__nv_bfloat16{});
   } else {
-    launch_kernel("flag_nonfinite_kernel", flag_nonfinite_kernel<float>, dim3(grid_for(count)),
-                  dim3(kThreads), stream, static_cast<const float*>(x), count, flag);
+    launch(float{});
   }
 }
 

@@ -1,0 +1,97 @@
+// The finite check of a checked step's updates (flag_nonfinite_cuda): a single NaN or Inf
+// anywhere in a buffer sets the flag, in the vectorized bulk and in the scalar remainder,
+// from an aligned start and from one that is not; the largest finite values do not. Skipped
+// without a GPU.
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "cuda/muon_kernels.cuh"
+
+namespace shardmuon {
+namespace {
+
+bool has_gpu() {
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    cudaGetLastError();
+    return false;
+  }
+  return true;
+}
+
+// The bytes of `values` in the dtype (bf16 by its upper 16 bits: every value used here is
+// exact in bf16).
+std::vector<unsigned char> encoded(const std::vector<float>& values, shardmuon_dtype dtype) {
+  const size_t element = dtype == SHARDMUON_BFLOAT16 ? 2 : 4;
+  std::vector<unsigned char> bytes(values.size() * element);
+  for (size_t i = 0; i < values.size(); ++i) {
+    uint32_t bits = 0;
+    std::memcpy(&bits, &values[i], 4);
+    if (dtype == SHARDMUON_BFLOAT16) {
+      const uint16_t upper = static_cast<uint16_t>(bits >> 16);
+      std::memcpy(bytes.data() + i * 2, &upper, 2);
+    } else {
+      std::memcpy(bytes.data() + i * 4, &bits, 4);
+    }
+  }
+  return bytes;
+}
+
+// The flag after checking `values`, placed `offset` elements into a fresh allocation.
+float flag_of(const std::vector<float>& values, shardmuon_dtype dtype, size_t offset) {
+  const size_t element = dtype == SHARDMUON_BFLOAT16 ? 2 : 4;
+  const std::vector<unsigned char> bytes = encoded(values, dtype);
+  void* buffer = nullptr;
+  float* flag = nullptr;
+  EXPECT_EQ(cudaMalloc(&buffer, bytes.size() + offset * element), cudaSuccess);
+  EXPECT_EQ(cudaMalloc(reinterpret_cast<void**>(&flag), sizeof(float)), cudaSuccess);
+  char* start = static_cast<char*>(buffer) + offset * element;
+  EXPECT_EQ(cudaMemcpy(start, bytes.data(), bytes.size(), cudaMemcpyHostToDevice), cudaSuccess);
+  EXPECT_EQ(cudaMemset(flag, 0, sizeof(float)), cudaSuccess);
+  flag_nonfinite_cuda(start, dtype, static_cast<int64_t>(values.size()), flag, nullptr);
+  float result = -1.0f;
+  EXPECT_EQ(cudaMemcpy(&result, flag, sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
+  cudaFree(buffer);
+  cudaFree(flag);
+  return result;
+}
+
+TEST(NonFiniteCheck, OneBadElementAnywhereSetsTheFlag) {
+  if (!has_gpu()) GTEST_SKIP() << "no GPU";
+  const float largest_bf16 = 3.3895314e38f;  // 0x7f7f: finite in both dtypes
+  const float bad_values[] = {std::numeric_limits<float>::quiet_NaN(),
+                              std::numeric_limits<float>::infinity(),
+                              -std::numeric_limits<float>::infinity()};
+  for (const shardmuon_dtype dtype : {SHARDMUON_FLOAT32, SHARDMUON_BFLOAT16}) {
+    for (const size_t count :
+         {size_t{1}, size_t{7}, size_t{8}, size_t{9}, size_t{4099}, (size_t{1} << 20) + 5}) {
+      for (const size_t offset : {size_t{0}, size_t{1}}) {  // aligned, then not
+        std::vector<float> values(count);
+        for (size_t i = 0; i < count; ++i) {
+          values[i] = i % 3 == 0 ? largest_bf16 : -static_cast<float>(i % 251);
+        }
+        const std::string where = std::string(dtype == SHARDMUON_BFLOAT16 ? "bf16" : "float32") +
+                                  " count " + std::to_string(count) + " offset " +
+                                  std::to_string(offset);
+        EXPECT_EQ(flag_of(values, dtype, offset), 0.0f) << where << ": all finite";
+        for (const size_t position : {size_t{0}, count / 2, count - 1}) {
+          for (const float bad : bad_values) {
+            std::vector<float> poisoned = values;
+            poisoned[position] = bad;
+            EXPECT_EQ(flag_of(poisoned, dtype, offset), 1.0f)
+                << where << ": " << bad << " at " << position;
+          }
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace shardmuon
