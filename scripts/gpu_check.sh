@@ -238,8 +238,8 @@ if [[ "$what" == "speed" ]]; then
 fi
 if [[ "$what" == "step" ]]; then
   # The whole optimizer step: the step's CUDA tests (owner per matrix, stacked matrices, Gram
-  # Newton-Schulz) on 1 and 2 GPUs, then bench/bench_step.py against the PyTorch loops and
-  # bench/bench_experts.py.
+  # Newton-Schulz) on 1 and 2 GPUs, then bench/bench_step.py against the PyTorch loops,
+  # bench/bench_experts.py and bench/bench_small_model.py.
   cuda_tests step_tests 'MuonStep*:CppMuon*:NonFinite*:*gramns*:*MultiBlock*'
   export SHARDMUON_LIBRARY="$root/$build/libshardmuon.so"
   timeout "${BENCH_TIMEOUT:-300}" torchrun --nproc_per_node="$gpus" bench/bench_step.py --out "$out" \
@@ -250,6 +250,10 @@ if [[ "$what" == "step" ]]; then
   timeout 200 python3 bench/bench_experts.py --out "$out" >"$out/bench_experts.log" 2>&1
   results+=("experts benchmark (1 GPU): rc=$?")
   grep -E "^\||GEMM" "$out/bench_experts.log"
+  # A small model on one GPU: GPT-2's 48 matrices, batched by shape, against torch.optim.Muon.
+  timeout 200 python3 bench/bench_small_model.py --out "$out" >"$out/bench_small_model.log" 2>&1
+  results+=("small-model benchmark (1 GPU): rc=$?")
+  grep -E "^\||GEMM" "$out/bench_small_model.log"
   printf '%s\n' "${results[@]}"
   exit 0
 fi
