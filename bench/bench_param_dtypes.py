@@ -71,6 +71,14 @@ def worst_update_error(params, initial, references):
                for p, (w, _, _), r in zip(params, initial, references))
 
 
+def executed_floor_ms(optimizer, shapes, rates, dtype_name):
+    """The GEMM flops shardmuon ran under the step's plan (one triangle of the symmetric
+    products, Gram Newton-Schulz where planned) over `rates`, as bench_newton_schulz.py counts
+    them, summed over the matrices."""
+    return sum(floor_ms(min(r, c), max(r, c), STEPS, rates, dtype_name, 1, "local", plan["gram_iteration"])[0]
+               for (_, r, c), plan in zip(shapes, optimizer.plan().values()))
+
+
 def main():
     args = standard_arguments(__doc__, layers=2).parse_args()
 
@@ -119,9 +127,7 @@ def main():
         if isinstance(optimizer, st.Muon):  # the flops of the plan it ran
             rate_names = {"gemm_bf16": rates[torch.bfloat16], "gemm_fp32": rates[torch.float32]}
             dtype_name = "bf16" if ns_dtype == torch.bfloat16 else "fp32"
-            executed = sum(floor_ms(min(r, c), max(r, c), STEPS, rate_names, dtype_name, 1, "local",
-                                    plan["gram_iteration"])[0]
-                           for (_, r, c), plan in zip(shapes, optimizer.plan().values()))
+            executed = executed_floor_ms(optimizer, shapes, rate_names, dtype_name)
         results[label] = (ns_dtype, ms, worst_update_error(params, initial, references), executed)
 
     report = Report()

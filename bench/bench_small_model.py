@@ -39,8 +39,7 @@ here = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(here, "..", "python"))
 sys.path.insert(0, here)
 import shardmuon.torch as st  # noqa: E402
-from bench_param_dtypes import random_state, reference_updates, worst_update_error  # noqa: E402
-from bench_newton_schulz import floor_ms  # noqa: E402
+from bench_param_dtypes import executed_floor_ms, random_state, reference_updates, worst_update_error  # noqa: E402
 from bench_step import LR, MOMENTUM, STEPS, WEIGHT_DECAY, Report, standard_arguments  # noqa: E402
 
 MODELS = {"gpt2": (768, 12), "gpt2-medium": (1024, 24), "gpt2-xl": (1600, 48)}
@@ -157,9 +156,7 @@ def main():
             torch.cuda.synchronize()
         floor = useful / peak * 1e3
         if isinstance(optimizer, st.Muon):  # the flops of the plan it ran
-            floor = sum(floor_ms(min(r, c), max(r, c), STEPS, {"gemm_bf16": peak}, "bf16", 1, "local",
-                                 plan["gram_iteration"])[0]
-                        for (_, r, c), plan in zip(shapes, optimizer.plan().values()))
+            floor = executed_floor_ms(optimizer, shapes, {"gemm_bf16": peak}, "bf16")
         results[label] = (gpu_ms, host_ms, floor, worst_update_error(params, initial, references))
     os.environ.pop("SHARDMUON_MAX_NS_BATCH", None)
 

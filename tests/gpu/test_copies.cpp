@@ -13,18 +13,10 @@
 
 #include "core/backend.h"
 #include "cuda/cuda_backend.h"
+#include "gpu_available.h"
 
 namespace shardmuon {
 namespace {
-
-bool has_gpu() {
-  int devices = 0;
-  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
-    cudaGetLastError();
-    return false;
-  }
-  return true;
-}
 
 // Device memory freed at scope exit.
 struct DeviceBytes {
@@ -62,7 +54,7 @@ void expect_pattern(const char* base, size_t offset, const std::string& where) {
 }
 
 TEST(CudaCopies, OneRowOfMoreThanTwoGibibytes) {
-  if (!has_gpu()) GTEST_SKIP() << "no CUDA device";
+  if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
   const size_t bytes = (size_t{1} << 31) + 4096;
   DeviceBytes src(bytes), dst(bytes);
   if (src.data == nullptr || dst.data == nullptr) GTEST_SKIP() << "not 4.3 GB of device memory";
@@ -77,7 +69,7 @@ TEST(CudaCopies, OneRowOfMoreThanTwoGibibytes) {
 }
 
 TEST(CudaCopies, RowsAtAPitchOfMoreThanTwoGibibytes) {
-  if (!has_gpu()) GTEST_SKIP() << "no CUDA device";
+  if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
   // Two rows of 4 KiB, 16-byte aligned, at a pitch of 2 GiB + 4 KiB in the source and a
   // packed destination: a column block of a very wide matrix.
   const size_t pitch = (size_t{1} << 31) + 4096, row_bytes = 4096;

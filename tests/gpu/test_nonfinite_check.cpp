@@ -12,18 +12,10 @@
 #include <vector>
 
 #include "cuda/muon_kernels.cuh"
+#include "gpu_available.h"
 
 namespace shardmuon {
 namespace {
-
-bool has_gpu() {
-  int devices = 0;
-  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
-    cudaGetLastError();
-    return false;
-  }
-  return true;
-}
 
 // The bytes of `values` in the dtype (bf16 by its upper 16 bits: every value used here is
 // exact in bf16).
@@ -63,7 +55,7 @@ float flag_of(const std::vector<float>& values, shardmuon_dtype dtype, size_t of
 }
 
 TEST(NonFiniteCheck, OneBadElementAnywhereSetsTheFlag) {
-  if (!has_gpu()) GTEST_SKIP() << "no GPU";
+  if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
   const float largest_bf16 = 3.3895314e38f;  // 0x7f7f: finite in both dtypes
   const float bad_values[] = {std::numeric_limits<float>::quiet_NaN(),
                               std::numeric_limits<float>::infinity(),

@@ -16,6 +16,7 @@
 #include "core/symmetric_tiles.h"
 #include "cpu/cpu_backend.h"
 #include "cuda/cuda_backend.h"
+#include "gpu_available.h"
 
 namespace shardmuon {
 namespace {
@@ -23,11 +24,7 @@ namespace {
 class SymmetricPasses : public ::testing::TestWithParam<shardmuon_dtype> {
  protected:
   void SetUp() override {
-    int devices = 0;
-    if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
-      cudaGetLastError();
-      GTEST_SKIP() << "no CUDA device";
-    }
+    if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
     cpu_ = make_cpu_backend();
     cuda_ = make_cuda_backend(0);
   }

@@ -13,6 +13,7 @@
 
 #include "core/backend.h"
 #include "cuda/cuda_backend.h"
+#include "gpu_available.h"
 
 namespace shardmuon {
 namespace {
@@ -23,11 +24,7 @@ void CUDART_CB hold_the_stream(void*) {
 }
 
 TEST(ZeroedMemory, IsZeroBeforeANonBlockingStreamWritesIt) {
-  int devices = 0;
-  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
-    cudaGetLastError();
-    GTEST_SKIP() << "no CUDA device";
-  }
+  if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
   std::unique_ptr<Backend> cuda = make_cuda_backend(0);
   cudaStream_t stream = nullptr;
   ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
