@@ -307,7 +307,9 @@ ValidatedMuonStep validate_muon_step(const Backend& backend, const Communicator&
 namespace {
 
 // Two matrices can run in one strided batch (NsProblem::batch): both local, with the same
-// problem.
+// problem. The same long side too: a square matrix's depends on its layout (sharded along
+// dim 0 or not), and in a batch of another's it would iterate on the other Gram, equal only up
+// to rounding, so that its result would depend on which matrix leads its batch.
 bool batchable_together(const NsProblem& a, const NsProblem& b) {
   auto same = [](const Coefficients& x, const Coefficients& y) {
     return x.a == y.a && x.b == y.b && x.c == y.c;
@@ -315,6 +317,7 @@ bool batchable_together(const NsProblem& a, const NsProblem& b) {
   return a.plan.algorithm == NsPlan::Algorithm::kLocal &&
          b.plan.algorithm == NsPlan::Algorithm::kLocal && a.dtype == b.dtype &&
          a.layout.rows() == b.layout.rows() && a.layout.cols() == b.layout.cols() &&
+         a.layout.long_dim() == b.layout.long_dim() &&
          a.plan.gram_iteration == b.plan.gram_iteration && a.eps == b.eps &&
          std::equal(a.coefficients.begin(), a.coefficients.end(), b.coefficients.begin(),
                     b.coefficients.end(), same);
@@ -526,8 +529,9 @@ size_t exchanged_bytes(const OwnedMatrix& m, int rank) {
 constexpr size_t kBatchScratchBytes = size_t{256} << 20;
 
 // The largest batch of `one` (1 unless its plan is local). $SHARDMUON_MAX_NS_BATCH caps it
-// (1: every matrix on its own), for comparing in benchmarks; it changes no collective, so
-// ranks may differ in it.
+// (1: every matrix on its own), for comparing in benchmarks. It changes no collective, but
+// it must be the same on every rank: replicated parameters, which every rank orthogonalizes
+// alike, would otherwise go through other kernels and differ in their last bits.
 int64_t batch_limit(const Backend& backend, const NsProblem& one) {
   if (one.plan.algorithm != NsPlan::Algorithm::kLocal) return 1;
   int64_t cap = kMaxNsBatch;
