@@ -26,6 +26,20 @@ bool is_valid_ns_storage(int storage) {
   return storage >= SHARDMUON_NS_STORAGE_PARAM && storage <= SHARDMUON_NS_STORAGE_FLOAT32;
 }
 
+// The most matrices in one strided batch: $SHARDMUON_MAX_NS_BATCH where set (1: every
+// matrix on its own, for comparing in benchmarks), else kMaxNsBatch. It changes no
+// collective, but it enters the step's digest: replicated parameters, which every rank
+// orthogonalizes alike, would go through other kernels on a rank with another cap and differ
+// in their last bits.
+int64_t ns_batch_cap() {
+  const char* text = std::getenv("SHARDMUON_MAX_NS_BATCH");
+  if (text == nullptr) return kMaxNsBatch;
+  const int64_t cap = std::atoll(text);
+  SHARDMUON_CHECK_ARG(cap >= 1 && cap <= kMaxNsBatch, "SHARDMUON_MAX_NS_BATCH must be in [1, ",
+                      kMaxNsBatch, "], not '", text, "'");
+  return cap;
+}
+
 // The dtype a parameter's update is orthogonalized in.
 shardmuon_dtype ns_dtype_of(shardmuon_ns_storage storage, shardmuon_dtype param) {
   switch (storage) {
@@ -178,6 +192,7 @@ ValidatedMuonStep validate_muon_step(const Backend& backend, const Communicator&
   digest.add(num_params).add(num_groups).add(backend.kind()).add(use_grads);
   // The symmetric block width decides how Gram sums are cut into all-reduces.
   digest.add(backend.symmetric_block_target());
+  digest.add(ns_batch_cap());
   for (int g = 0; g < num_groups; ++g) {
     const shardmuon_muon_group& group = groups[g];
     // A learning rate on the device differs between ranks in its address only; the ranks agree
@@ -528,18 +543,10 @@ size_t exchanged_bytes(const OwnedMatrix& m, int rank) {
 // at a time: batching them saves nothing).
 constexpr size_t kBatchScratchBytes = size_t{256} << 20;
 
-// The largest batch of `one` (1 unless its plan is local). $SHARDMUON_MAX_NS_BATCH caps it
-// (1: every matrix on its own), for comparing in benchmarks. It changes no collective, but
-// it must be the same on every rank: replicated parameters, which every rank orthogonalizes
-// alike, would otherwise go through other kernels and differ in their last bits.
+// The largest batch of `one` (1 unless its plan is local), under ns_batch_cap().
 int64_t batch_limit(const Backend& backend, const NsProblem& one) {
   if (one.plan.algorithm != NsPlan::Algorithm::kLocal) return 1;
-  int64_t cap = kMaxNsBatch;
-  if (const char* text = std::getenv("SHARDMUON_MAX_NS_BATCH")) {
-    cap = std::atoll(text);
-    SHARDMUON_CHECK_ARG(cap >= 1 && cap <= kMaxNsBatch, "SHARDMUON_MAX_NS_BATCH must be in [1, ",
-                        kMaxNsBatch, "], not '", text, "'");
-  }
+  const int64_t cap = ns_batch_cap();
   const size_t bytes = std::max<size_t>(1, newton_schulz_workspace_bytes(backend, one, 0, 1));
   return std::clamp<int64_t>(static_cast<int64_t>(kBatchScratchBytes / bytes), 1, cap);
 }

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -1109,6 +1110,23 @@ TEST_F(MuonStepBadInput, RanksThatDisagreeAllFail) {
       const std::string error = shardmuon_last_error();
       EXPECT_EQ(status, SHARDMUON_ERROR_RANK_MISMATCH) << name << ": " << error;
       EXPECT_TRUE(call.untouched()) << name;
+    }
+    // Another batch cap on one rank (SHARDMUON_MAX_NS_BATCH): its replicas would differ in
+    // their last bits, so it is a mismatch like the others.
+    {
+      const char* set = std::getenv("SHARDMUON_MAX_NS_BATCH");
+      const std::string before = set != nullptr ? set : "";
+      StepCall call(group);
+      if (group.rank == p - 1) setenv("SHARDMUON_MAX_NS_BATCH", before == "1" ? "2" : "1", 1);
+      const shardmuon_status status = call.call(group);
+      const std::string error = shardmuon_last_error();
+      if (set != nullptr) {
+        setenv("SHARDMUON_MAX_NS_BATCH", before.c_str(), 1);
+      } else {
+        unsetenv("SHARDMUON_MAX_NS_BATCH");
+      }
+      EXPECT_EQ(status, SHARDMUON_ERROR_RANK_MISMATCH) << "another batch cap: " << error;
+      EXPECT_TRUE(call.untouched()) << "another batch cap";
     }
     // A rank with a bad argument: PEER_FAILED elsewhere.
     StepCall call(group);
