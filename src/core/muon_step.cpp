@@ -338,10 +338,10 @@ bool batchable_together(const NsProblem& a, const NsProblem& b) {
                     b.coefficients.end(), same);
 }
 
-// The positions 0 .. count - 1, those whose problems can share a batch next to each other:
-// each kind of problem where it first appears, and in their own order within it.
+// The positions 0 .. count - 1 in groups whose problems can share a batch: the groups in the
+// order their first members appear, each member in its own order.
 template <typename ProblemOf>
-std::vector<size_t> grouped_by_problem(size_t count, ProblemOf problem_of) {
+std::vector<std::vector<size_t>> grouped_by_problem(size_t count, ProblemOf problem_of) {
   std::vector<std::vector<size_t>> groups;
   for (size_t k = 0; k < count; ++k) {
     auto same = std::find_if(groups.begin(), groups.end(), [&](const std::vector<size_t>& group) {
@@ -353,11 +353,7 @@ std::vector<size_t> grouped_by_problem(size_t count, ProblemOf problem_of) {
       same->push_back(k);
     }
   }
-  std::vector<size_t> order;
-  order.reserve(count);
-  for (const std::vector<size_t>& group : groups)
-    order.insert(order.end(), group.begin(), group.end());
-  return order;
+  return groups;
 }
 
 // The standard and the Gram iteration of a whole matrix on one rank, by the cost model.
@@ -485,10 +481,11 @@ void plan_owners(ValidatedMuonStep& step, int ranks) {
   // The matrices with the same problem next to each other (and so in each owner's list), so
   // that an owner runs them as strided batches (run_owner_batch): one launch per product for
   // all of a model's layers of one shape, not one per matrix.
-  const std::vector<size_t> order = grouped_by_problem(
-      owned.size(), [&](size_t k) -> const NsProblem& { return owned[k].whole; });
   step.owned.clear();
-  for (size_t k : order) step.owned.push_back(std::move(owned[k]));
+  for (const std::vector<size_t>& group : grouped_by_problem(
+           owned.size(), [&](size_t k) -> const NsProblem& { return owned[k].whole; })) {
+    for (size_t k : group) step.owned.push_back(std::move(owned[k]));
+  }
   for (size_t i : batch) step.plans[i].owned = true;
 }
 
@@ -643,6 +640,7 @@ struct StepLayout {
     }
     layout.new_momentum.assign(n, 0);
     layout.update.assign(n, 0);
+    size_t scratch = 0;  // the most any Newton-Schulz call or batch below needs
     std::vector<size_t> alone;
     for (size_t i = 0; i < n; ++i) {
       if (!step.plans[i].has_grad) continue;
@@ -653,10 +651,14 @@ struct StepLayout {
         layout.update[i] = take(update_bytes(step.plans[i], rank));
       }
     }
-    for (size_t k : grouped_by_problem(
+    for (const std::vector<size_t>& group : grouped_by_problem(
              alone.size(), [&](size_t k) -> const NsProblem& { return step.plans[alone[k]].ns; })) {
-      layout.alone.push_back(alone[k]);
-      layout.update[alone[k]] = take(update_bytes(step.plans[alone[k]], rank));
+      for (size_t k : group) {
+        layout.alone.push_back(alone[k]);
+        layout.update[alone[k]] = take(update_bytes(step.plans[alone[k]], rank));
+      }
+      scratch = std::max(scratch, batch_scratch_bytes(backend, step.plans[alone[group.front()]].ns,
+                                                      group.size(), rank, ranks));
     }
 
     layout.sent.assign(owned, 0);
@@ -682,7 +684,6 @@ struct StepLayout {
       }
     }
     std::vector<size_t> results_of(ranks, 0);  // bytes of replicated results per owner
-    size_t scratch = 0;
     const size_t owned_here = static_cast<size_t>(
         std::count_if(step.owned.begin(), step.owned.end(),
                       [rank](const OwnedMatrix& m) { return m.owner == rank; }));
@@ -704,16 +705,6 @@ struct StepLayout {
     if (layout.gathers) {
       layout.gather_block_bytes = *std::max_element(results_of.begin(), results_of.end());
       layout.gathered = take(layout.gather_block_bytes * ranks);
-    }
-    for (size_t k = 0; k < layout.alone.size();) {  // a batch per run of one problem
-      const NsProblem& ns = step.plans[layout.alone[k]].ns;
-      size_t end = k + 1;
-      while (end < layout.alone.size() &&
-             batchable_together(ns, step.plans[layout.alone[end]].ns)) {
-        ++end;
-      }
-      scratch = std::max(scratch, batch_scratch_bytes(backend, ns, end - k, rank, ranks));
-      k = end;
     }
     for (size_t i = 0; i < n; ++i) {
       const MuonParamPlan& plan = step.plans[i];
