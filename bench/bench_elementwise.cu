@@ -8,7 +8,9 @@
 //   update pass:                                    read param, update; write param
 //   finite check of the update (checked steps):     read 1
 // Time: CUDA events around each launch, 5 warm-up runs, the median of 30; buffers of
-// 8192 x 28672 elements (470 MB each in bf16), far larger than the 60 MB L2.
+// 8192 x 28672 elements (470 MB each in bf16), far larger than the 60 MB L2. Then the passes
+// over GPT-2's 48 matrices in one call against a call per matrix (run_many); there the time
+// between the events includes any wait of the GPU for the host's launches.
 //
 //   bench_elementwise [rows cols]
 #include <cuda_bf16.h>
@@ -19,6 +21,8 @@
 #include <cstdlib>
 #include <functional>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "core/backend.h"
@@ -113,15 +117,16 @@ void run(const char* dtype_name, shardmuon_dtype dtype, int64_t rows, int64_t co
     pass.l2_decay = l2 ? 0.01 : 0.0;
     rows_out.push_back(
         {name, bytes_moved,
-         median_ms([&](cudaStream_t s) { shardmuon::momentum_pass_cuda(pass, s); }, stream)});
+         median_ms([&](cudaStream_t s) { shardmuon::momentum_passes_cuda({pass}, s); }, stream)});
   };
   auto time_update = [&](const char* name, double bytes_moved, shardmuon_dtype update_dtype) {
     rows_out.push_back({name, bytes_moved,
                         median_ms(
                             [&](cudaStream_t s) {
-                              shardmuon::update_pass_cuda(param, dtype, update, update_dtype, count,
-                                                          0.999997, 1e-4,
-                                                          shardmuon::DeviceLearningRate{}, s);
+                              shardmuon::update_passes_cuda(
+                                  {{param, update, dtype, update_dtype, count, 0.999997, 1e-4,
+                                    shardmuon::DeviceLearningRate{}}},
+                                  s);
                             },
                             stream)});
   };
@@ -130,11 +135,12 @@ void run(const char* dtype_name, shardmuon_dtype dtype, int64_t rows, int64_t co
   time_update("update pass", 3.0 * bytes, dtype);
   float* flag = nullptr;
   check(cudaMalloc(&flag, sizeof(float)), "cudaMalloc");
-  rows_out.push_back(
-      {"finite check", 1.0 * bytes,
-       median_ms(
-           [&](cudaStream_t s) { shardmuon::flag_nonfinite_cuda(update, dtype, count, flag, s); },
-           stream)});
+  rows_out.push_back({"finite check", 1.0 * bytes,
+                      median_ms(
+                          [&](cudaStream_t s) {
+                            shardmuon::flag_nonfinite_cuda({{update, dtype, count, flag}}, s);
+                          },
+                          stream)});
   cudaFree(flag);
   if (dtype == SHARDMUON_FLOAT32) {
     // ns_storage BFLOAT16: float32 state, the update in bf16 (half of the buffer's bytes).
@@ -156,6 +162,112 @@ void run(const char* dtype_name, shardmuon_dtype dtype, int64_t rows, int64_t co
   cudaStreamDestroy(stream);
 }
 
+// The passes of a step of many small parameters: GPT-2's 48 matrices (12 layers of 768 x 2304,
+// 768 x 768, 768 x 3072 and 3072 x 768; 85 M elements, 170 MB per array in bf16), each in its
+// own 256-byte aligned slot as in the step's workspace, in one call against one call per
+// parameter (a launch each, as before the passes took lists), and a copy of as many bytes.
+template <typename T>
+void run_many(const char* dtype_name, shardmuon_dtype dtype) {
+  std::vector<int64_t> counts;
+  for (int layer = 0; layer < 12; ++layer) {
+    for (const int64_t count : {768 * 2304, 768 * 768, 768 * 3072, 3072 * 768}) {
+      counts.push_back(count);
+    }
+  }
+  std::vector<int64_t> offsets;  // in elements
+  int64_t total = 0, slots = 0;
+  for (const int64_t count : counts) {
+    offsets.push_back(slots);
+    total += count;
+    slots += (count * static_cast<int64_t>(sizeof(T)) + 255) / 256 * 256 / sizeof(T);
+  }
+  const size_t bytes = slots * sizeof(T);
+  T *grad, *momentum, *param, *update, *copy;
+  for (T** buffer : {&grad, &momentum, &param, &update, &copy}) {
+    check(cudaMalloc(buffer, bytes), "cudaMalloc");
+  }
+  uint32_t seed = 11;
+  for (T* buffer : {grad, momentum, param, update, copy})
+    fill<<<4096, 256>>>(buffer, slots, seed++);
+  float* flags = nullptr;
+  check(cudaMalloc(&flags, counts.size() * sizeof(float)), "cudaMalloc");
+  check(cudaMemset(flags, 0, counts.size() * sizeof(float)), "cudaMemset");
+  check(cudaDeviceSynchronize(), "fill");
+  cudaStream_t stream;
+  check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+
+  std::vector<shardmuon::MomentumPass> momentum_passes;
+  std::vector<shardmuon::UpdatePass> update_passes;
+  std::vector<shardmuon::FiniteCheck> checks;
+  for (size_t p = 0; p < counts.size(); ++p) {
+    shardmuon::MomentumPass pass;
+    pass.grad = grad + offsets[p];
+    pass.momentum = momentum + offsets[p];
+    pass.update = update + offsets[p];
+    pass.dtype = pass.update_dtype = dtype;
+    pass.count = counts[p];
+    pass.beta = 0.95;
+    pass.nesterov = true;
+    pass.nonfinite_flag = flags;
+    momentum_passes.push_back(pass);
+    update_passes.push_back({param + offsets[p], update + offsets[p], dtype, dtype, counts[p],
+                             0.999997, 1e-4, shardmuon::DeviceLearningRate{}});
+    checks.push_back({update + offsets[p], dtype, counts[p], flags + p});
+  }
+  // A list, or each of its entries as a list of one.
+  auto together_and_apart = [&](const auto& list, auto run) {
+    using List = std::decay_t<decltype(list)>;
+    const float together = median_ms([&](cudaStream_t s) { run(list, s); }, stream);
+    const float apart = median_ms(
+        [&](cudaStream_t s) {
+          for (const auto& one : list) run(List{one}, s);
+        },
+        stream);
+    return std::pair<float, float>{together, apart};
+  };
+  struct Row {
+    const char* name;
+    double bytes_moved;
+    std::pair<float, float> ms;
+  };
+  const double element_bytes = static_cast<double>(total) * sizeof(T);
+  const std::vector<Row> rows = {
+      {"momentum pass (Nesterov)", 4.0 * element_bytes,
+       together_and_apart(
+           momentum_passes,
+           [](const auto& l, cudaStream_t s) { shardmuon::momentum_passes_cuda(l, s); })},
+      {"update pass", 3.0 * element_bytes,
+       together_and_apart(
+           update_passes,
+           [](const auto& l, cudaStream_t s) { shardmuon::update_passes_cuda(l, s); })},
+      {"finite check", element_bytes,
+       together_and_apart(
+           checks, [](const auto& l, cudaStream_t s) { shardmuon::flag_nonfinite_cuda(l, s); })},
+  };
+  const float copy_ms = median_ms(
+      [&](cudaStream_t s) {
+        check(cudaMemcpyAsync(copy, param, total * sizeof(T), cudaMemcpyDeviceToDevice, s), "copy");
+      },
+      stream);
+  const double copy_rate = 2.0 * element_bytes / (copy_ms * 1e-3) / 1e9;
+  std::printf(
+      "\n%s, GPT-2's %zu matrices (%.0f MB per array); copy of as many bytes: %.3f ms, "
+      "%.0f GB/s\n",
+      dtype_name, counts.size(), element_bytes / 1e6, copy_ms, copy_rate);
+  std::printf("%-28s %12s %14s %12s %14s %12s\n", "pass", "one call (ms)", "of copy GB/s",
+              "a call each", "of copy GB/s", "speedup");
+  for (const Row& row : rows) {
+    const double together = row.bytes_moved / (row.ms.first * 1e-3) / 1e9;
+    const double apart = row.bytes_moved / (row.ms.second * 1e-3) / 1e9;
+    std::printf("%-28s %12.3f %13.1f%% %12.3f %13.1f%% %11.2fx\n", row.name, row.ms.first,
+                100.0 * together / copy_rate, row.ms.second, 100.0 * apart / copy_rate,
+                row.ms.second / row.ms.first);
+  }
+  for (T* buffer : {grad, momentum, param, update, copy}) cudaFree(buffer);
+  cudaFree(flags);
+  cudaStreamDestroy(stream);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -166,5 +278,7 @@ int main(int argc, char** argv) {
   std::printf("device: %s, L2 %d MB\n", properties.name, properties.l2CacheSize >> 20);
   run<__nv_bfloat16>("bf16", SHARDMUON_BFLOAT16, rows, cols);
   run<float>("float32", SHARDMUON_FLOAT32, rows, cols);
+  run_many<__nv_bfloat16>("bf16", SHARDMUON_BFLOAT16);
+  run_many<float>("float32", SHARDMUON_FLOAT32);
   return 0;
 }

@@ -10,6 +10,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "core/symmetric_tiles.h"
 #include "shardmuon/shardmuon.h"
@@ -104,6 +105,27 @@ struct DeviceLearningRate {
   double decay_per_lr = 0.0, step_size_per_lr = 0.0;
 };
 
+// Steps 1 and 6 fused, the last pass of a step that checks nothing: param <- param * decay -
+// step_size * update (see DeviceLearningRate).
+struct UpdatePass {
+  void* param = nullptr;
+  const void* update = nullptr;
+  shardmuon_dtype dtype = SHARDMUON_FLOAT32;         // of param
+  shardmuon_dtype update_dtype = SHARDMUON_FLOAT32;  // of update
+  int64_t count = 0;
+  double decay = 1.0, step_size = 0.0;
+  DeviceLearningRate device_lr;
+};
+
+// *flag (backend memory) becomes 1 if any of the count values is NaN or infinite (it is never
+// cleared here).
+struct FiniteCheck {
+  const void* values = nullptr;
+  shardmuon_dtype dtype = SHARDMUON_FLOAT32;
+  int64_t count = 0;
+  float* flag = nullptr;
+};
+
 // The last pass of a checked step: unless a flag is set, param <- param * decay - step_size *
 // update and momentum <- new_momentum. Flags are floats in backend memory (nonzero: set); a
 // parameter skipped because of its own flag (not the step's) adds one to *skipped_params.
@@ -189,20 +211,17 @@ class Backend {
 
   virtual void gemm(const GemmCall& call, Stream stream) = 0;
 
-  virtual void momentum_pass(const MomentumPass& pass, Stream stream) = 0;
-  virtual void commit_pass(const CommitPass& pass, Stream stream) = 0;
-  // *flag becomes 1 if any of the count values is NaN or infinite (it is never cleared here).
-  virtual void flag_nonfinite(const void* x, shardmuon_dtype dtype, int64_t count, float* flag,
-                              Stream stream) = 0;
+  // The elementwise passes of a step, every parameter's in one call: each pass is on its own
+  // buffers (none overlaps another's outputs), so the CUDA backend runs all of a kind in one
+  // launch (a step of many small parameters was bound by launching one per parameter).
+  virtual void momentum_passes(const std::vector<MomentumPass>& passes, Stream stream) = 0;
+  virtual void update_passes(const std::vector<UpdatePass>& passes, Stream stream) = 0;
+  virtual void commit_passes(const std::vector<CommitPass>& passes, Stream stream) = 0;
+  virtual void flag_nonfinite(const std::vector<FiniteCheck>& checks, Stream stream) = 0;
   // *counter += 1 if *flag is set.
   virtual void count_if_flagged(const float* flag, int64_t* counter, Stream stream) = 0;
   // A few bytes of zeroed backend memory that live as long as the backend (counters).
   virtual void* persistent_status() = 0;
-  // Steps 1 and 6 fused: param <- param * decay - step_size * update (see DeviceLearningRate).
-  virtual void update_pass(void* param, shardmuon_dtype param_dtype, const void* update,
-                           shardmuon_dtype update_dtype, int64_t count, double decay,
-                           double step_size, const DeviceLearningRate& device_lr,
-                           Stream stream) = 0;
 
   // How wide SymmetricTiles' blocks should be on this backend: narrower blocks save more
   // flops (the triangle), wider ones run the GEMMs faster.

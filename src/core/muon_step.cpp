@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <limits>
 #include <utility>
+#include <vector>
 
 #include "core/agreement.h"
 #include "core/dtype.h"
@@ -493,8 +494,8 @@ namespace {
 
 // The fused momentum pass of a parameter: the update into `update`, the new momentum in place
 // or, for a checked step, into new_momentum.
-void run_momentum_pass(Backend& backend, const MuonParamPlan& plan, int64_t count, void* update,
-                       void* new_momentum, float* nonfinite_flag, Stream stream) {
+MomentumPass momentum_pass_of(const MuonParamPlan& plan, int64_t count, void* update,
+                              void* new_momentum, float* nonfinite_flag) {
   const shardmuon_muon_param& p = *plan.param;
   MomentumPass pass;
   pass.grad = p.grad;
@@ -509,7 +510,7 @@ void run_momentum_pass(Backend& backend, const MuonParamPlan& plan, int64_t coun
   pass.nesterov = plan.nesterov;
   pass.l2_decay = plan.l2_decay;
   pass.nonfinite_flag = nonfinite_flag;
-  backend.momentum_pass(pass, stream);
+  return pass;
 }
 
 // A slot for this rank's shard of a parameter's update (in the Newton-Schulz dtype) or of its
@@ -913,12 +914,15 @@ void run_muon_step(Backend& backend, Communicator& comm, const ValidatedMuonStep
 
   // A checked step's momentum passes flag a non-finite gradient in flags[0] as they read it.
   if (checked) backend.fill_zero(flags, count_of_flags * sizeof(float), stream);
+  std::vector<MomentumPass> momentum_passes;
   for (size_t i = 0; i < step.plans.size(); ++i) {
     const MuonParamPlan& plan = step.plans[i];
     if (!plan.has_grad) continue;  // skipped on every rank alike (the digest saw to it)
-    run_momentum_pass(backend, plan, plan.ns.layout.local_elements(rank), base + layout.update[i],
-                      checked ? base + layout.new_momentum[i] : nullptr, flags, stream);
+    momentum_passes.push_back(
+        momentum_pass_of(plan, plan.ns.layout.local_elements(rank), base + layout.update[i],
+                         checked ? base + layout.new_momentum[i] : nullptr, flags));
   }
+  backend.momentum_passes(momentum_passes, stream);
   if (!step.owned.empty()) run_owner_batch(backend, comm, step, layout, base, stream);
   run_in_batches(
       backend, comm, layout.alone.size(),
@@ -943,24 +947,28 @@ void run_muon_step(Backend& backend, Communicator& comm, const ValidatedMuonStep
   }
 
   if (!checked) {
+    std::vector<UpdatePass> updates;
     for (size_t i = 0; i < step.plans.size(); ++i) {
       const MuonParamPlan& plan = step.plans[i];
       if (!plan.has_grad) continue;
-      backend.update_pass(plan.param->param, plan.param->dtype, base + layout.update[i],
-                          plan.ns.dtype, plan.ns.layout.local_elements(rank), plan.decay,
-                          plan.step_size, plan.device_lr, stream);
+      updates.push_back({plan.param->param, base + layout.update[i], plan.param->dtype,
+                         plan.ns.dtype, plan.ns.layout.local_elements(rank), plan.decay,
+                         plan.step_size, plan.device_lr});
     }
+    backend.update_passes(updates, stream);
     return;
   }
 
   bool any_sharded = false;
+  std::vector<FiniteCheck> checks;
   for (size_t i = 0; i < step.plans.size(); ++i) {
     const MuonParamPlan& plan = step.plans[i];
     if (!plan.has_grad) continue;
     any_sharded = any_sharded || plan.ns.layout.is_sharded();
-    backend.flag_nonfinite(base + layout.update[i], plan.ns.dtype,
-                           plan.ns.layout.local_elements(rank), flags + 1 + i, stream);
+    checks.push_back({base + layout.update[i], plan.ns.dtype, plan.ns.layout.local_elements(rank),
+                      flags + 1 + i});
   }
+  backend.flag_nonfinite(checks, stream);
   // The step's flag (any rank's gradients) and, when a parameter is sharded, the parameters'
   // (any rank's piece of the update) in one all-reduce; a replicated parameter's update is the
   // same on every rank, and every rank knows whether any is sharded.
@@ -968,6 +976,7 @@ void run_muon_step(Backend& backend, Communicator& comm, const ValidatedMuonStep
     const int64_t summed = any_sharded ? static_cast<int64_t>(count_of_flags) : 1;
     comm.all_reduce_sum(flags, summed, SHARDMUON_FLOAT32, stream);
   }
+  std::vector<CommitPass> commits;
   for (size_t i = 0; i < step.plans.size(); ++i) {
     const MuonParamPlan& plan = step.plans[i];
     if (!plan.has_grad) continue;
@@ -986,8 +995,9 @@ void run_muon_step(Backend& backend, Communicator& comm, const ValidatedMuonStep
     commit.param_flag = flags + 1 + i;
     commit.skipped_params = skipped_params;
     commit.device_lr = plan.device_lr;
-    backend.commit_pass(commit, stream);
+    commits.push_back(commit);
   }
+  backend.commit_passes(commits, stream);
   backend.count_if_flagged(flags, skipped_steps, stream);
 
   if (policy != SHARDMUON_NONFINITE_RAISE) return;

@@ -172,56 +172,42 @@ class CpuBackend final : public Backend {
     }
   }
 
-  void momentum_pass(const MomentumPass& pass, Stream) override {
-    if (pass.dtype == SHARDMUON_FLOAT64) {
-      momentum_pass_as<double>(pass);
-    } else {  // the CUDA kernel's float32 arithmetic
-      momentum_pass_as<float>(pass);
-    }
-  }
-
-  void update_pass(void* param, shardmuon_dtype dtype, const void* update,
-                   shardmuon_dtype update_dtype, int64_t count, double decay, double step_size,
-                   const DeviceLearningRate& device_lr, Stream) override {
-    if (device_lr.lr != nullptr) {  // the CUDA kernels' float32 arithmetic
-      const float lr = *device_lr.lr;
-      decay = static_cast<float>(decay) - static_cast<float>(device_lr.decay_per_lr) * lr;
-      step_size = static_cast<float>(device_lr.step_size_per_lr) * lr;
-    }
-    for (int64_t i = 0; i < count; ++i) {
-      if (dtype == SHARDMUON_FLOAT64) {
-        store_element(param, dtype, i,
-                      load_element(param, dtype, i) * decay -
-                          step_size * load_element(update, update_dtype, i));
-      } else {
-        const float value =
-            static_cast<float>(load_element(param, dtype, i)) * static_cast<float>(decay) -
-            static_cast<float>(step_size) *
-                static_cast<float>(load_element(update, update_dtype, i));
-        store_element(param, dtype, i, value);
+  void momentum_passes(const std::vector<MomentumPass>& passes, Stream) override {
+    for (const MomentumPass& pass : passes) {
+      if (pass.dtype == SHARDMUON_FLOAT64) {
+        momentum_pass_as<double>(pass);
+      } else {  // the CUDA kernel's float32 arithmetic
+        momentum_pass_as<float>(pass);
       }
     }
   }
 
-  void commit_pass(const CommitPass& pass, Stream stream) override {
-    const bool step_bad = *pass.step_flag != 0.0f, param_bad = *pass.param_flag != 0.0f;
-    if (step_bad || param_bad) {
-      if (!step_bad && pass.skipped_params != nullptr) ++*pass.skipped_params;
-      return;
-    }
-    update_pass(pass.param, pass.dtype, pass.update, pass.update_dtype, pass.count, pass.decay,
-                pass.step_size, pass.device_lr, stream);
-    if (pass.count > 0) {
-      std::memcpy(pass.momentum, pass.new_momentum, pass.count * element_size(pass.dtype));
+  void update_passes(const std::vector<UpdatePass>& passes, Stream) override {
+    for (const UpdatePass& pass : passes) update(pass);
+  }
+
+  void commit_passes(const std::vector<CommitPass>& passes, Stream) override {
+    for (const CommitPass& pass : passes) {
+      const bool step_bad = *pass.step_flag != 0.0f, param_bad = *pass.param_flag != 0.0f;
+      if (step_bad || param_bad) {
+        if (!step_bad && pass.skipped_params != nullptr) ++*pass.skipped_params;
+        continue;
+      }
+      update({pass.param, pass.update, pass.dtype, pass.update_dtype, pass.count, pass.decay,
+              pass.step_size, pass.device_lr});
+      if (pass.count > 0) {
+        std::memcpy(pass.momentum, pass.new_momentum, pass.count * element_size(pass.dtype));
+      }
     }
   }
 
-  void flag_nonfinite(const void* x, shardmuon_dtype dtype, int64_t count, float* flag,
-                      Stream) override {
-    for (int64_t i = 0; i < count; ++i) {
-      if (!std::isfinite(load_element(x, dtype, i))) {
-        *flag = 1.0f;
-        return;
+  void flag_nonfinite(const std::vector<FiniteCheck>& checks, Stream) override {
+    for (const FiniteCheck& check : checks) {
+      for (int64_t i = 0; i < check.count; ++i) {
+        if (!std::isfinite(load_element(check.values, check.dtype, i))) {
+          *check.flag = 1.0f;
+          break;
+        }
       }
     }
   }
@@ -337,6 +323,28 @@ class CpuBackend final : public Backend {
   void fill_zero(void* dst, size_t bytes, Stream) override { std::memset(dst, 0, bytes); }
 
  private:
+  void update(const UpdatePass& pass) {
+    double decay = pass.decay, step_size = pass.step_size;
+    if (pass.device_lr.lr != nullptr) {  // the CUDA kernels' float32 arithmetic
+      const float lr = *pass.device_lr.lr;
+      decay = static_cast<float>(decay) - static_cast<float>(pass.device_lr.decay_per_lr) * lr;
+      step_size = static_cast<float>(pass.device_lr.step_size_per_lr) * lr;
+    }
+    for (int64_t i = 0; i < pass.count; ++i) {
+      if (pass.dtype == SHARDMUON_FLOAT64) {
+        store_element(pass.param, pass.dtype, i,
+                      load_element(pass.param, pass.dtype, i) * decay -
+                          step_size * load_element(pass.update, pass.update_dtype, i));
+      } else {
+        const float value = static_cast<float>(load_element(pass.param, pass.dtype, i)) *
+                                static_cast<float>(decay) -
+                            static_cast<float>(step_size) *
+                                static_cast<float>(load_element(pass.update, pass.update_dtype, i));
+        store_element(pass.param, pass.dtype, i, value);
+      }
+    }
+  }
+
   template <typename T>
   void momentum_pass_as(const MomentumPass& pass) {
     const T beta = static_cast<T>(pass.beta), weight = static_cast<T>(1.0 - pass.beta);

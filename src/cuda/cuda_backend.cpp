@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <vector>
 
 #include "core/dtype.h"
 #include "core/error.h"
@@ -207,24 +208,20 @@ class CudaBackend final : public Backend {
     gemm_->run(leaving_room, as_cuda(stream));
   }
 
-  void momentum_pass(const MomentumPass& pass, Stream stream) override {
-    momentum_pass_cuda(pass, as_cuda(stream));
+  void momentum_passes(const std::vector<MomentumPass>& passes, Stream stream) override {
+    momentum_passes_cuda(passes, as_cuda(stream));
   }
 
-  void update_pass(void* param, shardmuon_dtype param_dtype, const void* update,
-                   shardmuon_dtype update_dtype, int64_t count, double decay, double step_size,
-                   const DeviceLearningRate& device_lr, Stream stream) override {
-    update_pass_cuda(param, param_dtype, update, update_dtype, count, decay, step_size, device_lr,
-                     as_cuda(stream));
+  void update_passes(const std::vector<UpdatePass>& passes, Stream stream) override {
+    update_passes_cuda(passes, as_cuda(stream));
   }
 
-  void commit_pass(const CommitPass& pass, Stream stream) override {
-    commit_pass_cuda(pass, as_cuda(stream));
+  void commit_passes(const std::vector<CommitPass>& passes, Stream stream) override {
+    commit_passes_cuda(passes, as_cuda(stream));
   }
 
-  void flag_nonfinite(const void* x, shardmuon_dtype dtype, int64_t count, float* flag,
-                      Stream stream) override {
-    flag_nonfinite_cuda(x, dtype, count, flag, as_cuda(stream));
+  void flag_nonfinite(const std::vector<FiniteCheck>& checks, Stream stream) override {
+    flag_nonfinite_cuda(checks, as_cuda(stream));
   }
 
   void count_if_flagged(const float* flag, int64_t* counter, Stream stream) override {

@@ -1,12 +1,21 @@
-// The two elementwise passes of a Muon step. Both are bound by memory bandwidth, so each
-// touches every byte once: the momentum pass reads grad and momentum (and param for L2
-// decay) and writes momentum and the update; the update pass reads param and the
-// orthogonalized update and writes param. Each thread moves 16 bytes per access of its widest
-// array when every pointer allows it. T is the dtype of param, grad and momentum, U the
-// update's (the Newton-Schulz dtype, which may differ: ns_storage).
+// The elementwise passes of a Muon step. Each is bound by memory bandwidth, so it touches
+// every byte once: the momentum pass reads grad and momentum (and param for L2 decay) and
+// writes momentum and the update; the update pass reads param and the orthogonalized update
+// and writes param. Each thread moves 16 bytes per access of its widest array when every
+// pointer allows it. T is the dtype of param, grad and momentum, U the update's (the
+// Newton-Schulz dtype, which may differ: ns_storage).
+//
+// One launch runs the passes of many parameters: its arguments carry a table of them, each
+// with its own range of the grid's blocks. With a launch per parameter, a step of many small
+// parameters was bound by launching (GPT-2's 48 matrices: 144 launches).
 #include <cuda_bf16.h>
 
+#include <algorithm>
+#include <array>
 #include <cstdint>
+#include <map>
+#include <type_traits>
+#include <vector>
 
 #include "core/error.h"
 #include "cuda/cuda_check.h"
@@ -19,6 +28,12 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kVectorBytes = 16;
+// A block covers kAccessesPerBlock accesses of one pass, each thread kAccessesPerThread of
+// them, kThreads apart (coalesced).
+constexpr int kAccessesPerThread = 4;
+constexpr int64_t kAccessesPerBlock = int64_t{kThreads} * kAccessesPerThread;
+// A table's bytes in a launch's arguments: CUDA 12.1 allows 32764 on Volta and later.
+constexpr size_t kTableBytes = 30 * 1024;
 
 template <typename T, int N>
 struct alignas(sizeof(T) * N) Vector {
@@ -31,26 +46,144 @@ constexpr int vector_width() {
   return kVectorBytes / (sizeof(T) > sizeof(U) ? sizeof(T) : sizeof(U));
 }
 
-// Each thread handles N consecutive elements per access; count is in elements and a multiple
-// of N (the caller runs the remainder with N = 1).
-// momentum_out is momentum itself, or the buffer a checked step commits from later.
+// The passes of one launch (Args: one pass's pointers and scalars). Pass p owns the blocks
+// [first_block[p], first_block[p + 1]), one at least.
+template <typename Args>
+struct PassTable {
+  static constexpr int kCapacity =
+      static_cast<int>((kTableBytes - 2 * sizeof(int)) / (sizeof(Args) + sizeof(int)));
+  Args passes[kCapacity];
+  int first_block[kCapacity + 1];
+  int size;
+
+  // The pass that block `block` works on: the last p with first_block[p] <= block.
+  __device__ int pass_of(int block) const {
+    int low = 0, high = size - 1;
+    while (low < high) {
+      const int middle = (low + high + 1) / 2;
+      if (first_block[middle] <= block) {
+        low = middle;
+      } else {
+        high = middle - 1;
+      }
+    }
+    return low;
+  }
+};
+
+// Calls visit(std::integral_constant<int, M>{}, i) for each run [i, i + M) of the `count`
+// elements of pass p that this thread handles: vector accesses of N elements, then, in the
+// pass's last block, the count % N elements after the last whole vector, one per thread.
+template <int N, typename Table, typename Visit>
+__device__ __forceinline__ void for_each_access(const Table& table, int p, int64_t count,
+                                                Visit&& visit) {
+  const int block = static_cast<int>(blockIdx.x);
+  const int64_t vectors = count / N;
+  const int64_t first = (block - table.first_block[p]) * kAccessesPerBlock + threadIdx.x;
+#pragma unroll
+  for (int j = 0; j < kAccessesPerThread; ++j) {
+    const int64_t access = first + int64_t{j} * kThreads;
+    if (access < vectors) visit(std::integral_constant<int, N>{}, access * N);
+  }
+  if constexpr (N > 1) {
+    const int64_t rest = vectors * N + threadIdx.x;
+    if (block + 1 == table.first_block[p + 1] && rest < count) {
+      visit(std::integral_constant<int, 1>{}, rest);
+    }
+  }
+}
+
+// Launches kernel over `passes` (all of its kind), as many per launch as a table holds, each
+// pass with blocks for its count / width vector accesses (one at least).
+template <typename Args>
+void launch_tables(const char* name, void (*kernel)(PassTable<Args>), int width,
+                   const std::vector<Args>& passes, cudaStream_t stream) {
+  constexpr int64_t kMaxBlocks = (int64_t{1} << 31) - 1;
+  PassTable<Args> table{};
+  auto launch = [&] {
+    if (table.size == 0) return;
+    launch_kernel(name, kernel, dim3(static_cast<unsigned int>(table.first_block[table.size])),
+                  dim3(kThreads), stream, table);
+    table.size = 0;
+  };
+  for (const Args& pass : passes) {
+    const int64_t vectors = pass.count / width;
+    const int64_t blocks =
+        std::max<int64_t>(1, (vectors + kAccessesPerBlock - 1) / kAccessesPerBlock);
+    SHARDMUON_CHECK_ARG(blocks < kMaxBlocks, name, ": a pass of ", pass.count,
+                        " elements is more than one launch can cover");
+    if (table.size == PassTable<Args>::kCapacity ||
+        table.first_block[table.size] + blocks > kMaxBlocks) {
+      launch();
+    }
+    table.passes[table.size] = pass;
+    table.first_block[table.size + 1] = static_cast<int>(table.first_block[table.size] + blocks);
+    ++table.size;
+  }
+  launch();
+}
+
+bool aligned(const void* pointer) {
+  return pointer == nullptr || reinterpret_cast<uintptr_t>(pointer) % kVectorBytes == 0;
+}
+
+// f(std::true_type{}) or f(std::false_type{}): a runtime switch as a template argument.
+template <typename F>
+void with_switch(bool value, F&& f) {
+  if (value) {
+    f(std::true_type{});
+  } else {
+    f(std::false_type{});
+  }
+}
+
+// Calls launch(T{}, U{}) for the CUDA backend's dtypes: T of the parameter's state, U of the
+// update (float32 or bf16 each).
+template <typename Launch>
+void with_dtypes(int state, int update, const char* what, Launch launch) {
+  using Bf16 = __nv_bfloat16;
+  if (state == SHARDMUON_FLOAT32 && update == SHARDMUON_FLOAT32) return launch(float{}, float{});
+  if (state == SHARDMUON_FLOAT32 && update == SHARDMUON_BFLOAT16) return launch(float{}, Bf16{});
+  if (state == SHARDMUON_BFLOAT16 && update == SHARDMUON_FLOAT32) return launch(Bf16{}, float{});
+  if (state == SHARDMUON_BFLOAT16 && update == SHARDMUON_BFLOAT16) return launch(Bf16{}, Bf16{});
+  fail(SHARDMUON_ERROR_INTERNAL, what, ": unsupported dtypes ", state, ", ", update);
+}
+
+// MomentumPass as kernel arguments. momentum_out is momentum itself, or the buffer a checked
+// step commits from later.
+struct MomentumArgs {
+  const void* grad;
+  const void* param;  // read for L2 decay only
+  const void* momentum;
+  void* momentum_out;
+  void* update;
+  float* nonfinite_flag;
+  int64_t count;
+  float beta, l2_decay;
+};
+
 template <typename T, typename U, int N, bool kNesterov, bool kL2>
-__global__ void momentum_kernel(const T* __restrict__ grad, const T* __restrict__ param,
-                                const T* momentum, T* momentum_out, U* __restrict__ update,
-                                int64_t count, float beta, float l2_decay, float* nonfinite_flag) {
-  using V = Vector<T, N>;
-  using UV = Vector<U, N>;
-  const float weight = 1.0f - beta;
+__global__ void __launch_bounds__(kThreads)
+    momentum_kernel(const __grid_constant__ PassTable<MomentumArgs> table) {
+  const int p = table.pass_of(static_cast<int>(blockIdx.x));
+  const MomentumArgs& pass = table.passes[p];
+  const T* grad = static_cast<const T*>(pass.grad);
+  const T* param = static_cast<const T*>(pass.param);
+  const T* momentum = static_cast<const T*>(pass.momentum);
+  T* momentum_out = static_cast<T*>(pass.momentum_out);
+  U* update = static_cast<U*>(pass.update);
+  const float beta = pass.beta, weight = 1.0f - beta, l2_decay = pass.l2_decay;
   bool finite = true;
-  for (int64_t i = (blockIdx.x * int64_t{blockDim.x} + threadIdx.x) * N; i < count;
-       i += int64_t{gridDim.x} * blockDim.x * N) {
+  for_each_access<N>(table, p, pass.count, [&](auto width, int64_t i) {
+    constexpr int M = decltype(width)::value;
+    using V = Vector<T, M>;
     const V g_in = *reinterpret_cast<const V*>(grad + i);
     V m_io = *reinterpret_cast<const V*>(momentum + i);
     V p_in;
     if constexpr (kL2) p_in = *reinterpret_cast<const V*>(param + i);
-    UV u_out;
+    Vector<U, M> u_out;
 #pragma unroll
-    for (int j = 0; j < N; ++j) {
+    for (int j = 0; j < M; ++j) {
       float g = to_float(g_in.values[j]);
       finite = finite && isfinite(g);
       if constexpr (kL2) g = fmaf(l2_decay, to_float(p_in.values[j]), g);
@@ -60,10 +193,10 @@ __global__ void momentum_kernel(const T* __restrict__ grad, const T* __restrict_
       u_out.values[j] = from_float<U>(kNesterov ? fmaf(beta, m - g, g) : m);
     }
     *reinterpret_cast<V*>(momentum_out + i) = m_io;
-    *reinterpret_cast<UV*>(update + i) = u_out;
-  }
+    *reinterpret_cast<Vector<U, M>*>(update + i) = u_out;
+  });
   // Every thread that saw a non-finite value stores the same 1: no atomics needed.
-  if (!finite && nonfinite_flag != nullptr) *nonfinite_flag = 1.0f;
+  if (!finite && pass.nonfinite_flag != nullptr) *pass.nonfinite_flag = 1.0f;
 }
 
 // DeviceLearningRate as kernel arguments: with lr set, decay and step_size are computed from
@@ -86,8 +219,8 @@ struct DeviceRate {
 
 // param <- param * decay - step_size * update on the N elements from i.
 template <typename T, typename U, int N>
-__device__ __forceinline__ void update_vector(T* __restrict__ param, const U* __restrict__ update,
-                                              int64_t i, float decay, float step_size) {
+__device__ __forceinline__ void update_vector(T* param, const U* update, int64_t i, float decay,
+                                              float step_size) {
   using V = Vector<T, N>;
   V w = *reinterpret_cast<const V*>(param + i);
   const Vector<U, N> o = *reinterpret_cast<const Vector<U, N>*>(update + i);
@@ -99,216 +232,208 @@ __device__ __forceinline__ void update_vector(T* __restrict__ param, const U* __
   *reinterpret_cast<V*>(param + i) = w;
 }
 
+struct UpdateArgs {
+  void* param;
+  const void* update;
+  int64_t count;
+  float decay, step_size;
+  DeviceRate rate;
+};
+
 template <typename T, typename U, int N>
-__global__ void update_kernel(T* __restrict__ param, const U* __restrict__ update, int64_t count,
-                              float decay, float step_size, DeviceRate rate) {
-  rate.apply(decay, step_size);
-  for (int64_t i = (blockIdx.x * int64_t{blockDim.x} + threadIdx.x) * N; i < count;
-       i += int64_t{gridDim.x} * blockDim.x * N) {
-    update_vector<T, U, N>(param, update, i, decay, step_size);
-  }
+__global__ void __launch_bounds__(kThreads)
+    update_kernel(const __grid_constant__ PassTable<UpdateArgs> table) {
+  const int p = table.pass_of(static_cast<int>(blockIdx.x));
+  const UpdateArgs& pass = table.passes[p];
+  float decay = pass.decay, step_size = pass.step_size;
+  pass.rate.apply(decay, step_size);
+  T* param = static_cast<T*>(pass.param);
+  const U* update = static_cast<const U*>(pass.update);
+  for_each_access<N>(table, p, pass.count, [&](auto width, int64_t i) {
+    update_vector<T, U, decltype(width)::value>(param, update, i, decay, step_size);
+  });
 }
+
+struct CommitArgs {
+  void* param;
+  const void* update;
+  void* momentum;
+  const void* new_momentum;
+  const float* step_flag;
+  const float* param_flag;
+  unsigned long long* skipped_params;
+  int64_t count;
+  float decay, step_size;
+  DeviceRate rate;
+};
 
 // Unless a flag is set: param <- param * decay - step_size * update, momentum <- new_momentum.
 template <typename T, typename U, int N>
-__global__ void commit_kernel(T* __restrict__ param, const U* __restrict__ update,
-                              T* __restrict__ momentum, const T* __restrict__ new_momentum,
-                              int64_t count, float decay, float step_size, const float* step_flag,
-                              const float* param_flag, long long* skipped_params, DeviceRate rate) {
-  rate.apply(decay, step_size);
-  const bool step_bad = *step_flag != 0.0f, param_bad = *param_flag != 0.0f;
+__global__ void __launch_bounds__(kThreads)
+    commit_kernel(const __grid_constant__ PassTable<CommitArgs> table) {
+  const int p = table.pass_of(static_cast<int>(blockIdx.x));
+  const CommitArgs& pass = table.passes[p];
+  const bool step_bad = *pass.step_flag != 0.0f, param_bad = *pass.param_flag != 0.0f;
   if (step_bad || param_bad) {
-    if (!step_bad && skipped_params != nullptr && blockIdx.x == 0 && threadIdx.x == 0) {
-      *skipped_params += 1;
+    // The pass's first block counts it; the parameters of a launch share the counter.
+    if (!step_bad && pass.skipped_params != nullptr &&
+        static_cast<int>(blockIdx.x) == table.first_block[p] && threadIdx.x == 0) {
+      atomicAdd(pass.skipped_params, 1ull);
     }
     return;
   }
-  using V = Vector<T, N>;
-  for (int64_t i = (blockIdx.x * int64_t{blockDim.x} + threadIdx.x) * N; i < count;
-       i += int64_t{gridDim.x} * blockDim.x * N) {
-    update_vector<T, U, N>(param, update, i, decay, step_size);
+  float decay = pass.decay, step_size = pass.step_size;
+  pass.rate.apply(decay, step_size);
+  T* param = static_cast<T*>(pass.param);
+  const U* update = static_cast<const U*>(pass.update);
+  T* momentum = static_cast<T*>(pass.momentum);
+  const T* new_momentum = static_cast<const T*>(pass.new_momentum);
+  for_each_access<N>(table, p, pass.count, [&](auto width, int64_t i) {
+    constexpr int M = decltype(width)::value;
+    using V = Vector<T, M>;
+    update_vector<T, U, M>(param, update, i, decay, step_size);
     *reinterpret_cast<V*>(momentum + i) = *reinterpret_cast<const V*>(new_momentum + i);
-  }
+  });
 }
 
-// N elements per access as in the passes (count a multiple of N): a check of one element per
-// access ran at a fraction of the copy rate.
+struct FiniteArgs {
+  const void* values;
+  float* flag;
+  int64_t count;
+};
+
 template <typename T, int N>
-__global__ void flag_nonfinite_kernel(const T* __restrict__ x, int64_t count, float* flag) {
-  using V = Vector<T, N>;
+__global__ void __launch_bounds__(kThreads)
+    flag_nonfinite_kernel(const __grid_constant__ PassTable<FiniteArgs> table) {
+  const int p = table.pass_of(static_cast<int>(blockIdx.x));
+  const FiniteArgs& check = table.passes[p];
+  const T* values = static_cast<const T*>(check.values);
   bool bad = false;
-  for (int64_t i = (blockIdx.x * int64_t{blockDim.x} + threadIdx.x) * N; i < count;
-       i += int64_t{gridDim.x} * blockDim.x * N) {
-    const V v = *reinterpret_cast<const V*>(x + i);
+  for_each_access<N>(table, p, check.count, [&](auto width, int64_t i) {
+    constexpr int M = decltype(width)::value;
+    const Vector<T, M> v = *reinterpret_cast<const Vector<T, M>*>(values + i);
 #pragma unroll
-    for (int j = 0; j < N; ++j) bad |= !isfinite(to_float(v.values[j]));
-  }
-  if (bad) *flag = 1.0f;  // every writer writes the same value
+    for (int j = 0; j < M; ++j) bad |= !isfinite(to_float(v.values[j]));
+  });
+  if (bad) *check.flag = 1.0f;  // every writer writes the same value
 }
 
 __global__ void count_if_flagged_kernel(const float* flag, long long* counter) {
   if (*flag != 0.0f) *counter += 1;
 }
 
-unsigned int grid_for(int64_t accesses) {
-  // A grid-stride loop over as many blocks as keep every multiprocessor busy.
-  const int64_t blocks = (accesses + kThreads - 1) / kThreads;
-  return static_cast<unsigned int>(blocks < 8192 ? (blocks > 0 ? blocks : 1) : 8192);
-}
-
-bool aligned(const void* pointer) {
-  return pointer == nullptr || reinterpret_cast<uintptr_t>(pointer) % kVectorBytes == 0;
-}
-
-template <typename T, typename U, bool kNesterov, bool kL2>
-void launch_momentum(const MomentumPass& pass, cudaStream_t stream) {
-  constexpr int N = vector_width<T, U>();
-  const T* grad = static_cast<const T*>(pass.grad);
-  const T* param = static_cast<const T*>(pass.param);
-  T* momentum = static_cast<T*>(pass.momentum);
-  T* momentum_out = pass.new_momentum ? static_cast<T*>(pass.new_momentum) : momentum;
-  U* update = static_cast<U*>(pass.update);
-  const float beta = static_cast<float>(pass.beta), l2 = static_cast<float>(pass.l2_decay);
-  const bool vectorized = aligned(grad) && aligned(param) && aligned(momentum) &&
-                          aligned(momentum_out) && aligned(update);
-  const int64_t bulk = vectorized ? pass.count / N * N : 0;
-  if (bulk > 0) {
-    launch_kernel("momentum_kernel", momentum_kernel<T, U, N, kNesterov, kL2>,
-                  dim3(grid_for(bulk / N)), dim3(kThreads), stream, grad, param, momentum,
-                  momentum_out, update, bulk, beta, l2, pass.nonfinite_flag);
-  }
-  if (pass.count > bulk) {
-    const int64_t rest = pass.count - bulk;
-    launch_kernel("momentum_kernel", momentum_kernel<T, U, 1, kNesterov, kL2>, dim3(grid_for(rest)),
-                  dim3(kThreads), stream, grad + bulk, kL2 ? param + bulk : nullptr,
-                  momentum + bulk, momentum_out + bulk, update + bulk, rest, beta, l2,
-                  pass.nonfinite_flag);
-  }
-}
-
-template <typename T, typename U>
-void launch_momentum(const MomentumPass& pass, cudaStream_t stream) {
-  const bool l2 = pass.l2_decay != 0.0;
-  if (pass.nesterov) {
-    l2 ? launch_momentum<T, U, true, true>(pass, stream)
-       : launch_momentum<T, U, true, false>(pass, stream);
-  } else {
-    l2 ? launch_momentum<T, U, false, true>(pass, stream)
-       : launch_momentum<T, U, false, false>(pass, stream);
-  }
-}
-
-template <typename T, typename U>
-void launch_update(void* param_bytes, const void* update_bytes, int64_t count, float decay,
-                   float step_size, DeviceRate rate, cudaStream_t stream) {
-  constexpr int N = vector_width<T, U>();
-  T* param = static_cast<T*>(param_bytes);
-  const U* update = static_cast<const U*>(update_bytes);
-  const int64_t bulk = aligned(param) && aligned(update) ? count / N * N : 0;
-  if (bulk > 0) {
-    launch_kernel("update_kernel", update_kernel<T, U, N>, dim3(grid_for(bulk / N)), dim3(kThreads),
-                  stream, param, update, bulk, decay, step_size, rate);
-  }
-  if (count > bulk) {
-    launch_kernel("update_kernel", update_kernel<T, U, 1>, dim3(grid_for(count - bulk)),
-                  dim3(kThreads), stream, param + bulk, update + bulk, count - bulk, decay,
-                  step_size, rate);
-  }
-}
-
-template <typename T, typename U>
-void launch_commit(const CommitPass& pass, cudaStream_t stream) {
-  constexpr int N = vector_width<T, U>();
-  T* param = static_cast<T*>(pass.param);
-  const U* update = static_cast<const U*>(pass.update);
-  T* momentum = static_cast<T*>(pass.momentum);
-  const T* new_momentum = static_cast<const T*>(pass.new_momentum);
-  long long* counter = reinterpret_cast<long long*>(pass.skipped_params);
-  const float decay = static_cast<float>(pass.decay), step = static_cast<float>(pass.step_size);
-  const bool vectorized =
-      aligned(param) && aligned(update) && aligned(momentum) && aligned(new_momentum);
-  const int64_t bulk = vectorized ? pass.count / N * N : 0;
-  // One launch counts a skipped parameter; the remainder's launch does not count it again.
-  if (bulk > 0) {
-    launch_kernel("commit_kernel", commit_kernel<T, U, N>, dim3(grid_for(bulk / N)), dim3(kThreads),
-                  stream, param, update, momentum, new_momentum, bulk, decay, step, pass.step_flag,
-                  pass.param_flag, counter, DeviceRate::of(pass.device_lr));
-  }
-  if (pass.count > bulk || pass.count == 0) {
-    launch_kernel("commit_kernel", commit_kernel<T, U, 1>, dim3(grid_for(pass.count - bulk)),
-                  dim3(kThreads), stream, param + bulk, update + bulk, momentum + bulk,
-                  new_momentum + bulk, pass.count - bulk, decay, step, pass.step_flag,
-                  pass.param_flag, bulk > 0 ? nullptr : counter, DeviceRate::of(pass.device_lr));
-  }
-}
-
-// Calls launch<T, U>() for the CUDA backend's dtypes: T of the parameter's state, U of the
-// update (float32 or bf16 each).
-template <typename Launch>
-void with_dtypes(shardmuon_dtype state, shardmuon_dtype update, const char* what, Launch launch) {
-  using Bf16 = __nv_bfloat16;
-  if (state == SHARDMUON_FLOAT32 && update == SHARDMUON_FLOAT32) return launch(float{}, float{});
-  if (state == SHARDMUON_FLOAT32 && update == SHARDMUON_BFLOAT16) return launch(float{}, Bf16{});
-  if (state == SHARDMUON_BFLOAT16 && update == SHARDMUON_FLOAT32) return launch(Bf16{}, float{});
-  if (state == SHARDMUON_BFLOAT16 && update == SHARDMUON_BFLOAT16) return launch(Bf16{}, Bf16{});
-  fail(SHARDMUON_ERROR_INTERNAL, what, ": unsupported dtypes ", static_cast<int>(state), ", ",
-       static_cast<int>(update));
-}
-
 }  // namespace
 
-void commit_pass_cuda(const CommitPass& pass, cudaStream_t stream) {
-  with_dtypes(pass.dtype, pass.update_dtype, "commit_pass_cuda", [&](auto state, auto update) {
-    launch_commit<decltype(state), decltype(update)>(pass, stream);
-  });
+void momentum_passes_cuda(const std::vector<MomentumPass>& passes, cudaStream_t stream) {
+  // One list per kernel: the dtypes, Nesterov, L2 decay, and whether every pointer allows
+  // vector accesses.
+  std::map<std::array<int, 5>, std::vector<MomentumArgs>> kinds;
+  for (const MomentumPass& pass : passes) {
+    if (pass.count == 0) continue;
+    const bool l2 = pass.l2_decay != 0.0;
+    const void* param = l2 ? pass.param : nullptr;
+    void* momentum_out = pass.new_momentum != nullptr ? pass.new_momentum : pass.momentum;
+    const bool vectorized = aligned(pass.grad) && aligned(param) && aligned(pass.momentum) &&
+                            aligned(momentum_out) && aligned(pass.update);
+    kinds[{pass.dtype, pass.update_dtype, pass.nesterov, l2, vectorized}].push_back(
+        {pass.grad, param, pass.momentum, momentum_out, pass.update, pass.nonfinite_flag,
+         pass.count, static_cast<float>(pass.beta), static_cast<float>(pass.l2_decay)});
+  }
+  for (const auto& kind : kinds) {
+    const std::array<int, 5>& key = kind.first;
+    with_dtypes(key[0], key[1], "momentum_passes_cuda", [&](auto state, auto update) {
+      using T = decltype(state);
+      using U = decltype(update);
+      with_switch(key[2], [&](auto nesterov) {
+        with_switch(key[3], [&](auto l2) {
+          with_switch(key[4], [&](auto vectorized) {
+            constexpr int N = decltype(vectorized)::value ? vector_width<T, U>() : 1;
+            launch_tables("momentum_kernel",
+                          momentum_kernel<T, U, N, decltype(nesterov)::value, decltype(l2)::value>,
+                          N, kind.second, stream);
+          });
+        });
+      });
+    });
+  }
 }
 
-void flag_nonfinite_cuda(const void* x, shardmuon_dtype dtype, int64_t count, float* flag,
-                         cudaStream_t stream) {
-  if (count == 0) return;
-  auto launch = [&](auto element) {
-    using T = decltype(element);
-    constexpr int N = kVectorBytes / sizeof(T);
-    const T* values = static_cast<const T*>(x);
-    const int64_t bulk = aligned(values) ? count / N * N : 0;
-    if (bulk > 0) {
-      launch_kernel("flag_nonfinite_kernel", flag_nonfinite_kernel<T, N>, dim3(grid_for(bulk / N)),
-                    dim3(kThreads), stream, values, bulk, flag);
+void update_passes_cuda(const std::vector<UpdatePass>& passes, cudaStream_t stream) {
+  std::map<std::array<int, 3>, std::vector<UpdateArgs>> kinds;
+  for (const UpdatePass& pass : passes) {
+    if (pass.count == 0) continue;
+    const bool vectorized = aligned(pass.param) && aligned(pass.update);
+    kinds[{pass.dtype, pass.update_dtype, vectorized}].push_back(
+        {pass.param, pass.update, pass.count, static_cast<float>(pass.decay),
+         static_cast<float>(pass.step_size), DeviceRate::of(pass.device_lr)});
+  }
+  for (const auto& kind : kinds) {
+    const std::array<int, 3>& key = kind.first;
+    with_dtypes(key[0], key[1], "update_passes_cuda", [&](auto state, auto update) {
+      using T = decltype(state);
+      using U = decltype(update);
+      with_switch(key[2], [&](auto vectorized) {
+        constexpr int N = decltype(vectorized)::value ? vector_width<T, U>() : 1;
+        launch_tables("update_kernel", update_kernel<T, U, N>, N, kind.second, stream);
+      });
+    });
+  }
+}
+
+void commit_passes_cuda(const std::vector<CommitPass>& passes, cudaStream_t stream) {
+  // Empty passes too: a skipped parameter is counted whatever its size.
+  std::map<std::array<int, 3>, std::vector<CommitArgs>> kinds;
+  for (const CommitPass& pass : passes) {
+    const bool vectorized = aligned(pass.param) && aligned(pass.update) && aligned(pass.momentum) &&
+                            aligned(pass.new_momentum);
+    kinds[{pass.dtype, pass.update_dtype, vectorized}].push_back(
+        {pass.param, pass.update, pass.momentum, pass.new_momentum, pass.step_flag, pass.param_flag,
+         reinterpret_cast<unsigned long long*>(pass.skipped_params), pass.count,
+         static_cast<float>(pass.decay), static_cast<float>(pass.step_size),
+         DeviceRate::of(pass.device_lr)});
+  }
+  for (const auto& kind : kinds) {
+    const std::array<int, 3>& key = kind.first;
+    with_dtypes(key[0], key[1], "commit_passes_cuda", [&](auto state, auto update) {
+      using T = decltype(state);
+      using U = decltype(update);
+      with_switch(key[2], [&](auto vectorized) {
+        constexpr int N = decltype(vectorized)::value ? vector_width<T, U>() : 1;
+        launch_tables("commit_kernel", commit_kernel<T, U, N>, N, kind.second, stream);
+      });
+    });
+  }
+}
+
+void flag_nonfinite_cuda(const std::vector<FiniteCheck>& checks, cudaStream_t stream) {
+  std::map<std::array<int, 2>, std::vector<FiniteArgs>> kinds;
+  for (const FiniteCheck& check : checks) {
+    if (check.count == 0) continue;
+    kinds[{check.dtype, aligned(check.values)}].push_back({check.values, check.flag, check.count});
+  }
+  for (const auto& kind : kinds) {
+    const std::array<int, 2>& key = kind.first;
+    auto launch = [&](auto element) {
+      using T = decltype(element);
+      with_switch(key[1], [&](auto vectorized) {
+        constexpr int N =
+            decltype(vectorized)::value ? kVectorBytes / static_cast<int>(sizeof(T)) : 1;
+        launch_tables("flag_nonfinite_kernel", flag_nonfinite_kernel<T, N>, N, kind.second, stream);
+      });
+    };
+    if (key[0] == SHARDMUON_BFLOAT16) {
+      launch(__nv_bfloat16{});
+    } else if (key[0] == SHARDMUON_FLOAT32) {
+      launch(float{});
+    } else {
+      fail(SHARDMUON_ERROR_INTERNAL, "flag_nonfinite_cuda: unsupported dtype ", key[0]);
     }
-    if (count > bulk) {
-      launch_kernel("flag_nonfinite_kernel", flag_nonfinite_kernel<T, 1>,
-                    dim3(grid_for(count - bulk)), dim3(kThreads), stream, values + bulk,
-                    count - bulk, flag);
-    }
-  };
-  if (dtype == SHARDMUON_BFLOAT16) {
-    launch(__nv_bfloat16{});
-  } else {
-    launch(float{});
   }
 }
 
 void count_if_flagged_cuda(const float* flag, int64_t* counter, cudaStream_t stream) {
   launch_kernel("count_if_flagged_kernel", count_if_flagged_kernel, dim3(1), dim3(1), stream, flag,
                 reinterpret_cast<long long*>(counter));
-}
-
-void momentum_pass_cuda(const MomentumPass& pass, cudaStream_t stream) {
-  if (pass.count == 0) return;
-  with_dtypes(pass.dtype, pass.update_dtype, "momentum_pass_cuda", [&](auto state, auto update) {
-    launch_momentum<decltype(state), decltype(update)>(pass, stream);
-  });
-}
-
-void update_pass_cuda(void* param, shardmuon_dtype param_dtype, const void* update,
-                      shardmuon_dtype update_dtype, int64_t count, double decay, double step_size,
-                      const DeviceLearningRate& device_lr, cudaStream_t stream) {
-  if (count == 0) return;
-  const float d = static_cast<float>(decay), s = static_cast<float>(step_size);
-  const DeviceRate rate = DeviceRate::of(device_lr);
-  with_dtypes(param_dtype, update_dtype, "update_pass_cuda", [&](auto state, auto other) {
-    launch_update<decltype(state), decltype(other)>(param, update, count, d, s, rate, stream);
-  });
 }
 
 }  // namespace shardmuon

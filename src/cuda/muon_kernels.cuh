@@ -3,17 +3,18 @@
 
 #include <cuda_runtime_api.h>
 
+#include <vector>
+
 #include "core/backend.h"
 
 namespace shardmuon {
 
-void momentum_pass_cuda(const MomentumPass& pass, cudaStream_t stream);
-void commit_pass_cuda(const CommitPass& pass, cudaStream_t stream);
-void flag_nonfinite_cuda(const void* x, shardmuon_dtype dtype, int64_t count, float* flag,
-                         cudaStream_t stream);
+// Every pass of a list, those of one kind (dtypes, template switches) in one launch per up to
+// a few hundred passes (Backend::momentum_passes and the others).
+void momentum_passes_cuda(const std::vector<MomentumPass>& passes, cudaStream_t stream);
+void update_passes_cuda(const std::vector<UpdatePass>& passes, cudaStream_t stream);
+void commit_passes_cuda(const std::vector<CommitPass>& passes, cudaStream_t stream);
+void flag_nonfinite_cuda(const std::vector<FiniteCheck>& checks, cudaStream_t stream);
 void count_if_flagged_cuda(const float* flag, int64_t* counter, cudaStream_t stream);
-void update_pass_cuda(void* param, shardmuon_dtype param_dtype, const void* update,
-                      shardmuon_dtype update_dtype, int64_t count, double decay, double step_size,
-                      const DeviceLearningRate& device_lr, cudaStream_t stream);
 
 }  // namespace shardmuon

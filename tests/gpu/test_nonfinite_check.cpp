@@ -46,7 +46,7 @@ float flag_of(const std::vector<float>& values, shardmuon_dtype dtype, size_t of
   char* start = static_cast<char*>(buffer) + offset * element;
   EXPECT_EQ(cudaMemcpy(start, bytes.data(), bytes.size(), cudaMemcpyHostToDevice), cudaSuccess);
   EXPECT_EQ(cudaMemset(flag, 0, sizeof(float)), cudaSuccess);
-  flag_nonfinite_cuda(start, dtype, static_cast<int64_t>(values.size()), flag, nullptr);
+  flag_nonfinite_cuda({{start, dtype, static_cast<int64_t>(values.size()), flag}}, nullptr);
   float result = -1.0f;
   EXPECT_EQ(cudaMemcpy(&result, flag, sizeof(float), cudaMemcpyDeviceToHost), cudaSuccess);
   cudaFree(buffer);

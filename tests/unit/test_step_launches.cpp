@@ -1,0 +1,212 @@
+// How many calls a step makes to its backend, counted at the Backend interface (each call is
+// one launch or a few on the CUDA backend). A step of several layers of the same shapes must
+// make as many product calls as a step of one layer: the layers' matrices run as strided
+// batches. And every parameter's elementwise passes go in one call per kind. Where a batch
+// stops forming, a step of many small parameters becomes bound by launches again, and the
+// tests that compare results (MuonStepBatches) would not notice.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "comm/factories.h"
+#include "core/backend.h"
+#include "core/muon_step.h"
+#include "cpu/cpu_backend.h"
+
+namespace shardmuon {
+namespace {
+
+// Forwards every call to the CPU backend, counting the products and the elementwise calls.
+class CountingBackend final : public Backend {
+ public:
+  int64_t gemm_calls = 0;     // calls of gemm()
+  int64_t products = 0;       // the matrix products in them (strided batches and lists)
+  int64_t pass_calls = 0;     // calls of the four elementwise passes
+  int64_t passes = 0;         // the passes in them
+  int64_t largest_batch = 0;  // of a gemm() call
+
+  shardmuon_backend kind() const override { return inner_->kind(); }
+  void begin_call(Stream stream) override { inner_->begin_call(stream); }
+  void end_call(Stream stream) override { inner_->end_call(stream); }
+  void check_pointer(const void* ptr, const char* name) const override {
+    inner_->check_pointer(ptr, name);
+  }
+  void check_dtype(shardmuon_dtype dtype) const override { inner_->check_dtype(dtype); }
+  void check_matrix_shape(int64_t rows, int64_t cols, const std::string& name) const override {
+    inner_->check_matrix_shape(rows, cols, name);
+  }
+  void* workspace(size_t bytes, Stream stream) override { return inner_->workspace(bytes, stream); }
+  size_t workspace_bytes() const override { return inner_->workspace_bytes(); }
+  void* allocate_zeroed(size_t bytes) override { return inner_->allocate_zeroed(bytes); }
+  void release(void* pointer) override { inner_->release(pointer); }
+  size_t sum_of_squares_scratch_bytes(shardmuon_dtype dtype, int64_t count,
+                                      int64_t batch) const override {
+    return inner_->sum_of_squares_scratch_bytes(dtype, count, batch);
+  }
+  void sum_of_squares(const void* x, shardmuon_dtype dtype, int64_t count, int64_t batch,
+                      void* result, void* scratch, size_t scratch_bytes, Stream stream) override {
+    inner_->sum_of_squares(x, dtype, count, batch, result, scratch, scratch_bytes, stream);
+  }
+  void divide_by_norm(const void* x, void* y, shardmuon_dtype dtype, int64_t count, int64_t batch,
+                      const void* sums, double eps, Stream stream) override {
+    inner_->divide_by_norm(x, y, dtype, count, batch, sums, eps, stream);
+  }
+  void gemm(const GemmCall& call, Stream stream) override {
+    ++gemm_calls;
+    products += call.batch * (call.product_count > 0 ? call.product_count : 1);
+    largest_batch = std::max(largest_batch, call.batch);
+    inner_->gemm(call, stream);
+  }
+  void momentum_passes(const std::vector<MomentumPass>& list, Stream stream) override {
+    count_passes(list.size());
+    inner_->momentum_passes(list, stream);
+  }
+  void update_passes(const std::vector<UpdatePass>& list, Stream stream) override {
+    count_passes(list.size());
+    inner_->update_passes(list, stream);
+  }
+  void commit_passes(const std::vector<CommitPass>& list, Stream stream) override {
+    count_passes(list.size());
+    inner_->commit_passes(list, stream);
+  }
+  void flag_nonfinite(const std::vector<FiniteCheck>& list, Stream stream) override {
+    count_passes(list.size());
+    inner_->flag_nonfinite(list, stream);
+  }
+  void count_if_flagged(const float* flag, int64_t* counter, Stream stream) override {
+    inner_->count_if_flagged(flag, counter, stream);
+  }
+  void* persistent_status() override { return inner_->persistent_status(); }
+  int64_t symmetric_block_target() const override { return inner_->symmetric_block_target(); }
+  SymmetricTiles product_tiles(int64_t n) const override { return inner_->product_tiles(n); }
+  int64_t column_square_parts(int64_t n) const override { return inner_->column_square_parts(n); }
+  void unpack_symmetric(const void* packed, shardmuon_dtype src_type, const SymmetricTiles& tiles,
+                        int64_t batch, void* dst, shardmuon_dtype dst_type, double shift,
+                        void* square_parts, Stream stream) override {
+    inner_->unpack_symmetric(packed, src_type, tiles, batch, dst, dst_type, shift, square_parts,
+                             stream);
+  }
+  void mirror_lower(void* matrix, shardmuon_dtype dtype, int64_t n, int64_t batch,
+                    const SymmetricDiagonal& diagonal, void* square_parts, Stream stream) override {
+    inner_->mirror_lower(matrix, dtype, n, batch, diagonal, square_parts, stream);
+  }
+  Stream side_stream(Stream stream) override { return inner_->side_stream(stream); }
+  void order_after(Stream waiter, Stream signaller) override {
+    inner_->order_after(waiter, signaller);
+  }
+  void copy_2d(void* dst, size_t dst_pitch, const void* src, size_t src_pitch, size_t row_bytes,
+               size_t rows, Stream stream) override {
+    inner_->copy_2d(dst, dst_pitch, src, src_pitch, row_bytes, rows, stream);
+  }
+  void fill_zero(void* dst, size_t bytes, Stream stream) override {
+    inner_->fill_zero(dst, bytes, stream);
+  }
+  void copy_to_host(void* host, const void* src, size_t bytes, Stream stream) override {
+    inner_->copy_to_host(host, src, bytes, stream);
+  }
+  void copy_from_host(void* dst, const void* host, size_t bytes, Stream stream) override {
+    inner_->copy_from_host(dst, host, bytes, stream);
+  }
+  void synchronize(Stream stream) override { inner_->synchronize(stream); }
+  void wait_for_last_call() override { inner_->wait_for_last_call(); }
+
+ private:
+  void count_passes(size_t count) {
+    ++pass_calls;
+    passes += static_cast<int64_t>(count);
+  }
+  std::unique_ptr<Backend> inner_ = make_cpu_backend();
+};
+
+// What a step of `layers` layers of GPT-like shapes (replicated on one rank, float32) asked
+// of its backend.
+struct Counts {
+  int64_t gemm_calls, products, largest_batch, pass_calls, passes;
+};
+
+Counts count_step(int layers, shardmuon_ns_algorithm algorithm, shardmuon_nonfinite_policy policy) {
+  const int64_t shapes[][2] = {{48, 144}, {48, 48}, {48, 192}, {192, 48}};
+  std::vector<std::vector<float>> buffers;  // param, grad, momentum of each parameter
+  std::vector<shardmuon_muon_param> params;
+  for (int layer = 0; layer < layers; ++layer) {
+    for (const auto& shape : shapes) {
+      const size_t elements = static_cast<size_t>(shape[0] * shape[1]);
+      shardmuon_muon_param param{};
+      for (int b = 0; b < 3; ++b) {
+        buffers.emplace_back(elements);
+        for (size_t i = 0; i < elements; ++i) {
+          buffers.back()[i] = static_cast<float>((i * 37 + b * 11 + layer) % 101) / 50.0f - 1.0f;
+        }
+      }
+      param.param = buffers[buffers.size() - 3].data();
+      param.grad = buffers[buffers.size() - 2].data();
+      param.momentum = buffers[buffers.size() - 1].data();
+      param.dtype = SHARDMUON_FLOAT32;
+      param.layout = {shape[0], shape[1], SHARDMUON_REPLICATED, 1, nullptr};
+      params.push_back(param);
+    }
+  }
+  shardmuon_muon_group group;
+  EXPECT_EQ(shardmuon_muon_group_default(&group), SHARDMUON_SUCCESS);
+  group.ns.algorithm = algorithm;
+
+  CountingBackend backend;
+  const std::unique_ptr<Communicator> comm = make_self_communicator();
+  const ValidatedMuonStep step =
+      validate_muon_step(backend, *comm, params.data(), static_cast<int>(params.size()), &group, 1);
+  run_muon_step(backend, *comm, step, nullptr, policy);
+  return {backend.gemm_calls, backend.products, backend.largest_batch, backend.pass_calls,
+          backend.passes};
+}
+
+// $SHARDMUON_MAX_NS_BATCH set for the test's scope.
+struct BatchCap {
+  explicit BatchCap(const char* value) { setenv("SHARDMUON_MAX_NS_BATCH", value, 1); }
+  ~BatchCap() { unsetenv("SHARDMUON_MAX_NS_BATCH"); }
+};
+
+class StepLaunches : public ::testing::TestWithParam<
+                         std::tuple<shardmuon_ns_algorithm, shardmuon_nonfinite_policy>> {};
+
+TEST_P(StepLaunches, LayersOfOneShapeShareTheirCalls) {
+  const auto [algorithm, policy] = GetParam();
+  const Counts one = count_step(1, algorithm, policy);
+  const Counts four = count_step(4, algorithm, policy);
+  EXPECT_GT(one.gemm_calls, 0);
+  // Four layers: the same calls, each a batch of four.
+  EXPECT_EQ(four.gemm_calls, one.gemm_calls);
+  EXPECT_EQ(four.products, 4 * one.products);
+  EXPECT_EQ(one.largest_batch, 1);
+  EXPECT_EQ(four.largest_batch, 4);
+  // The passes: one call per kind, whatever the number of parameters (momentum and update;
+  // a checked step's momentum, finite check and commit).
+  const int64_t kinds = policy == SHARDMUON_NONFINITE_PROCEED ? 2 : 3;
+  EXPECT_EQ(one.pass_calls, kinds);
+  EXPECT_EQ(four.pass_calls, kinds);
+  EXPECT_EQ(four.passes, kinds * 16);
+}
+
+// The counter counts what it should: with batches of one, four layers make four times the
+// calls.
+TEST_P(StepLaunches, BatchesOfOneMakeACallPerMatrix) {
+  const auto [algorithm, policy] = GetParam();
+  const BatchCap cap("1");
+  const Counts one = count_step(1, algorithm, policy);
+  const Counts four = count_step(4, algorithm, policy);
+  EXPECT_EQ(four.gemm_calls, 4 * one.gemm_calls);
+  EXPECT_EQ(four.products, 4 * one.products);
+  EXPECT_EQ(four.largest_batch, 1);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    AlgorithmsAndPolicies, StepLaunches,
+    ::testing::Combine(::testing::Values(SHARDMUON_NS_AUTO, SHARDMUON_NS_DUPLICATED,
+                                         SHARDMUON_NS_OWNER),
+                       ::testing::Values(SHARDMUON_NONFINITE_PROCEED, SHARDMUON_NONFINITE_SKIP)));
+
+}  // namespace
+}  // namespace shardmuon
