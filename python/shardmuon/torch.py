@@ -95,6 +95,20 @@ class _PerTensor:
         self._entries[key] = (weakref.ref(tensor, forget), value)
 
 
+class _ParamName:
+    """A parameter's name in error messages: its label, shape, dtype and device, formatted
+    only when a message is (formatting one per parameter at every step was a measurable part
+    of a small model's step)."""
+
+    __slots__ = ("param", "label")
+
+    def __init__(self, param: torch.Tensor, label: str):
+        self.param, self.label = param, label
+
+    def __str__(self) -> str:
+        return f"{self.label} (shape {tuple(self.param.shape)}, {self.param.dtype}, {self.param.device})"
+
+
 def _split_names(params):
     """Accepts tensors, dicts, or (name, tensor) pairs; returns torch's form and the names."""
     params = list(params)
@@ -259,14 +273,13 @@ class Muon(torch.optim.Optimizer):
 
     def _name(self, param: torch.Tensor, group_index: int, index: int, label: Optional[str] = None) -> str:
         """The label with what an error message needs: shape, dtype and device."""
-        label = self._label(param, group_index, index) if label is None else label
-        return f"{label} (shape {tuple(param.shape)}, {param.dtype}, {param.device})"
+        return str(_ParamName(param, self._label(param, group_index, index) if label is None else label))
 
     def _muon_groups(self):
         """(index, group) of the groups this class steps (MuonWithAdamW leaves out the others)."""
         return list(enumerate(self.param_groups))
 
-    def _partition_dim(self, param, group, name: str):
+    def _partition_dim(self, param, group, name):
         """0, 1, "flat", or None (replicated) for the matrix the library sees."""
         attribute = getattr(param, "partition_dim", None)
         if getattr(param, "tensor_model_parallel", None) is False:
@@ -357,7 +370,7 @@ class Muon(torch.optim.Optimizer):
         for column, e in enumerate(missing):
             self._shard_sizes[e["param"]] = [row[column] for row in table]
 
-    def _dtensor_entry(self, param, name: str, local=None):
+    def _dtensor_entry(self, param, name, local=None):
         """Where a DTensor parameter's sharding comes from: its placements (see _dtensor).
         `local`: the piece the library will see, when not the parameter's own (a regrouped
         copy)."""
@@ -422,7 +435,7 @@ class Muon(torch.optim.Optimizer):
         for group_index, group in self._muon_groups():
             for index, param in enumerate(group["params"]):
                 label = self._label(param, group_index, index)
-                name = self._name(param, group_index, index, label)
+                name = _ParamName(param, label)
                 try:
                     entry = self._entry(param, group, group_index, name)
                 except (ValueError, TypeError) as error:
@@ -433,12 +446,12 @@ class Muon(torch.optim.Optimizer):
                 entries.append(entry)
         return entries, failure
 
-    def _process_group_of(self, param, name: str):
+    def _process_group_of(self, param, name):
         if is_dtensor(param):
             return sharding(param, name, int(getattr(param, "muon_row_blocks", 1))).process_group
         return self.process_group
 
-    def _entry(self, param, group, group_index: int, name: str):
+    def _entry(self, param, group, group_index: int, name):
         """A parameter's entry: its checks on this rank, and the matrix the library sees."""
         flat = "flat" in (getattr(param, "partition_dim", None), group["partition_dim"])
         if param.ndim not in (2, 3) and not flat:
@@ -452,7 +465,8 @@ class Muon(torch.optim.Optimizer):
         if param.dtype not in _DTYPES or (param.dtype == torch.float64 and param.is_cuda):
             raise TypeError(f"{name}: Muon takes float32 or bfloat16 parameters (float64 on "
                             f"the CPU), got {param.dtype}")
-        local = local_tensor(param)  # what the library reads and writes
+        dtensor = is_dtensor(param)
+        local = param.to_local() if dtensor else param  # what the library reads and writes
         if not local.is_contiguous():
             raise ValueError(f"{name}: the parameter is not contiguous")
         grad = param.grad
@@ -461,13 +475,14 @@ class Muon(torch.optim.Optimizer):
                 raise TypeError(f"{name}: its gradient is {grad.dtype}, the parameter {param.dtype}")
             if grad.shape != param.shape:
                 raise ValueError(f"{name}: its gradient has shape {tuple(grad.shape)}")
-            if is_dtensor(param) != is_dtensor(grad) or (
-                    is_dtensor(param) and (grad.placements != param.placements
-                                           or grad.device_mesh != param.device_mesh)):
+            grad_dtensor = is_dtensor(grad)
+            if dtensor != grad_dtensor or (
+                    dtensor and (grad.placements != param.placements or grad.device_mesh != param.device_mesh)):
                 raise ValueError(f"{name}: its gradient is "
-                                 f"{describe(grad) if is_dtensor(grad) else 'not a DTensor'}, "
-                                 f"the parameter {describe(param) if is_dtensor(param) else 'not a DTensor'}")
-            grad = local_tensor(grad)
+                                 f"{describe(grad) if grad_dtensor else 'not a DTensor'}, "
+                                 f"the parameter {describe(param) if dtensor else 'not a DTensor'}")
+            if grad_dtensor:
+                grad = grad.to_local()
             if grad.shape != local.shape:
                 raise ValueError(f"{name}: its gradient's local piece has shape {tuple(grad.shape)}, "
                                  f"the parameter's {tuple(local.shape)}")
@@ -479,7 +494,7 @@ class Muon(torch.optim.Optimizer):
         # the experts of a 3D parameter, or a fused weight's parts (muon_row_blocks,
         # e.g. the heads of QKV or the gate and up halves).
         regroup = None
-        if is_dtensor(param):
+        if dtensor:
             process_group, dim, shape, extent, row_blocks, regroup = self._dtensor_entry(param, name)
         else:
             process_group = self.process_group
@@ -704,7 +719,7 @@ class Muon(torch.optim.Optimizer):
                                      "redistributed": e["regroup"]}
         return {e["label"]: result[e["name"]] for e in entries}
 
-    def _momentum(self, param, local, name: str) -> torch.Tensor:
+    def _momentum(self, param, local, name) -> torch.Tensor:
         """A parameter's momentum buffer (created as zeros on its first step; a DTensor
         parameter's is a DTensor of the same placements, which a regrouped step redistributes),
         checked against the parameter and its local piece `local`: the library writes through
@@ -745,7 +760,7 @@ class Muon(torch.optim.Optimizer):
         """The C array of the parameters `entries`, split over `process_group` (the shard sizes
         of those not seen before are exchanged first); what it points to goes in keepalive."""
         self._gather_shard_sizes(entries, device, process_group)
-        rank = group_rank(process_group)
+        rank, ranks = group_rank(process_group), group_size(process_group)
         params = (c.MuonParam * len(entries))()
         for i, e in enumerate(entries):
             param, local, grad = e["param"], e["local"], e["grad"]
@@ -764,7 +779,7 @@ class Muon(torch.optim.Optimizer):
                 p.momentum = momentum.data_ptr() or None
             rows, cols = e["shape"]
             p.row_blocks = e["row_blocks"]
-            if e["dim"] is None or group_size(process_group) == 1:
+            if e["dim"] is None or ranks == 1:
                 if local.numel() != rows * cols:  # a flat shard on one rank is the whole matrix
                     raise ValueError(f"{e['name']}: holds {local.numel()} elements, not the "
                                      f"{rows} x {cols} of its muon_shape")
