@@ -586,11 +586,29 @@ size_t batch_scratch_bytes(const Backend& backend, const NsProblem& one, size_t 
   return newton_schulz_workspace_bytes(backend, batch_of(one, count), rank, ranks);
 }
 
-// A parameter this rank orthogonalizes whole and by itself: not in the owner batch, one
-// matrix, a local plan (replicated, or a group of one rank).
+// The problem of a parameter's matrices where they all have one: its own, or its stacked
+// blocks' (see runs_alone).
+const NsProblem& matrix_problem(const MuonParamPlan& plan) {
+  return plan.row_blocks.empty() ? plan.ns : plan.row_blocks.front().ns;
+}
+
+// A parameter this rank orthogonalizes whole and by itself: not in the owner batch, with a
+// local plan (replicated, or a group of one rank); when stacked, every block of one such
+// problem. Its matrices may then share batches with other parameters' (the experts or heads
+// of every layer in one batch).
 bool runs_alone(const MuonParamPlan& plan) {
-  return plan.has_grad && !plan.owned && plan.row_blocks.empty() &&
-         plan.ns.plan.algorithm == NsPlan::Algorithm::kLocal;
+  if (!plan.has_grad || plan.owned) return false;
+  const NsProblem& first = matrix_problem(plan);
+  return first.plan.algorithm == NsPlan::Algorithm::kLocal &&
+         std::all_of(plan.row_blocks.begin(), plan.row_blocks.end(),
+                     [&](const MuonParamPlan::RowBlock& block) {
+                       return batchable_together(first, block.ns);
+                     });
+}
+
+// How many matrices a parameter holds: 1, or its stacked blocks.
+size_t matrix_count(const MuonParamPlan& plan) {
+  return std::max<size_t>(1, plan.row_blocks.size());
 }
 
 // Where a step's buffers lie in the workspace, on one rank (offsets from its start):
@@ -614,9 +632,9 @@ struct StepLayout {
   size_t gathered = 0, gather_block_bytes = 0;  // replicated results, one block per rank
   std::vector<size_t> result;                   // per replicated matrix: within its block
   bool gathers = false;
-  // The parameters this rank orthogonalizes whole and alone (runs_alone), those with the same
-  // problem next to each other: their update buffers are taken in this order, one after
-  // another, so that they run as strided batches.
+  // The parameters this rank orthogonalizes whole and alone (runs_alone), those whose
+  // matrices have the same problem next to each other: their update buffers are taken in this
+  // order, one after another, so that their matrices run as strided batches.
   std::vector<size_t> alone;
   size_t scratch = 0, total = 0;
 
@@ -653,13 +671,17 @@ struct StepLayout {
       }
     }
     for (const std::vector<size_t>& group : grouped_by_problem(
-             alone.size(), [&](size_t k) -> const NsProblem& { return step.plans[alone[k]].ns; })) {
+             alone.size(),
+             [&](size_t k) -> const NsProblem& { return matrix_problem(step.plans[alone[k]]); })) {
+      size_t matrices = 0;
       for (size_t k : group) {
         layout.alone.push_back(alone[k]);
         layout.update[alone[k]] = take(update_bytes(step.plans[alone[k]], rank));
+        matrices += matrix_count(step.plans[alone[k]]);
       }
-      scratch = std::max(scratch, batch_scratch_bytes(backend, step.plans[alone[group.front()]].ns,
-                                                      group.size(), rank, ranks));
+      scratch = std::max(
+          scratch, batch_scratch_bytes(backend, matrix_problem(step.plans[alone[group.front()]]),
+                                       matrices, rank, ranks));
     }
 
     layout.sent.assign(owned, 0);
@@ -924,11 +946,19 @@ void run_muon_step(Backend& backend, Communicator& comm, const ValidatedMuonStep
   }
   backend.momentum_passes(momentum_passes, stream);
   if (!step.owned.empty()) run_owner_batch(backend, comm, step, layout, base, stream);
+  // The matrices of the parameters run alone, in the order of their update buffers.
+  std::vector<std::pair<const NsProblem*, char*>> alone;
+  for (size_t i : layout.alone) {
+    const MuonParamPlan& plan = step.plans[i];
+    char* update = base + layout.update[i];
+    if (plan.row_blocks.empty()) alone.emplace_back(&plan.ns, update);
+    for (const MuonParamPlan::RowBlock& block : plan.row_blocks) {
+      alone.emplace_back(&block.ns, update + block.offset * element_size(block.ns.dtype));
+    }
+  }
   run_in_batches(
-      backend, comm, layout.alone.size(),
-      [&](size_t k) -> const NsProblem& { return step.plans[layout.alone[k]].ns; },
-      [&](size_t k) -> void* { return base + layout.update[layout.alone[k]]; }, stream,
-      layout.scratch);
+      backend, comm, alone.size(), [&](size_t k) -> const NsProblem& { return *alone[k].first; },
+      [&](size_t k) -> void* { return alone[k].second; }, stream, layout.scratch);
   for (size_t i = 0; i < step.plans.size(); ++i) {
     const MuonParamPlan& plan = step.plans[i];
     if (!plan.has_grad || plan.owned || runs_alone(plan)) continue;
@@ -937,7 +967,8 @@ void run_muon_step(Backend& backend, Communicator& comm, const ValidatedMuonStep
       run_newton_schulz(backend, comm, plan.ns, update, stream, layout.scratch);
       continue;
     }
-    // Stacked matrices on this rank alone (replicated, or a group of one) in batches.
+    // Stacked matrices of other plans (sharded blocks): each by its own plan, in batches
+    // where consecutive blocks are local to this rank and share a problem.
     const size_t element = element_size(plan.ns.dtype);
     const std::vector<MuonParamPlan::RowBlock>& blocks = plan.row_blocks;
     run_in_batches(

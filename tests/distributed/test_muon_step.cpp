@@ -733,6 +733,46 @@ TEST_F(MuonStepBatches, StackedMatricesAreOrthogonalizedOneByOne) {
   }
 }
 
+// The stacked matrices a rank orthogonalizes alone share batches with those of other
+// parameters of their problem: two layers of a replicated mixture-of-experts weight (4
+// experts of 8 x 16, whose update buffers lie one after another) and a plain 8 x 16 matrix
+// in one batch; two layers of 3 experts of 5 x 7 (140 bytes each: a layer's experts are
+// adjacent, the next layer's start at the next aligned slot); the same shape in bf16, and a
+// stacked weight sharded along its columns (which runs by its own plan), beside them.
+TEST_F(MuonStepBatches, StackedMatricesShareBatchesAcrossParameters) {
+  for (const shardmuon_ns_algorithm algorithm :
+       {SHARDMUON_NS_AUTO, SHARDMUON_NS_DUPLICATED, SHARDMUON_NS_OWNER}) {
+    for_each_group(1, [&](const Group& group) {
+      const int p = group.size;
+      std::vector<Parameter> params;
+      for (int layer = 0; layer < 2; ++layer) {
+        const uint64_t seed = 300 + 10 * static_cast<uint64_t>(layer);
+        params.push_back(
+            make_parameter(32, 16, SHARDMUON_FLOAT32, SHARDMUON_REPLICATED, p, seed, 2));
+        params.back().row_blocks = 4;
+        params.push_back(
+            make_parameter(15, 7, SHARDMUON_FLOAT32, SHARDMUON_REPLICATED, p, seed + 1, 2));
+        params.back().row_blocks = 3;
+        params.push_back(
+            make_parameter(8, 16, SHARDMUON_FLOAT32, SHARDMUON_REPLICATED, p, seed + 2, 2));
+        params.push_back(
+            make_parameter(16, 16, SHARDMUON_BFLOAT16, SHARDMUON_REPLICATED, p, seed + 3, 2));
+        params.back().row_blocks = 2;
+        params.push_back(
+            make_parameter(16, 21, SHARDMUON_FLOAT32, SHARDMUON_SHARDED_DIM1, p, seed + 4, 2));
+        params.back().row_blocks = 2;
+      }
+      ReferenceGroup reference;
+      reference.scale_mode = SHARDMUON_SCALE_SHAPE_SCALING;  // by each block's shape
+      StepRun run{params, {reference}, {SHARDMUON_SCHEDULE_QUINTIC}, {5}};
+      run.algorithm = algorithm;
+      run_and_compare(group, run, 2,
+                      "stacked across parameters, algorithm " + std::to_string(algorithm) +
+                          " P=" + std::to_string(p));
+    });
+  }
+}
+
 // Data-parallel (ZeRO / distributed-optimizer) shards: every rank holds a range of each
 // matrix's row-major elements, starting and ending inside rows, one rank empty from P = 3 on
 // (uneven_sizes), among them a stacked parameter whose blocks straddle ranks; mixed with a

@@ -122,19 +122,26 @@ class CountingBackend final : public Backend {
   std::unique_ptr<Backend> inner_ = make_cpu_backend();
 };
 
-// What a step of `layers` layers of GPT-like shapes (replicated on one rank, float32) asked
-// of its backend.
+// What a step of `layers` layers asked of its backend. A layer's parameters are GPT-like
+// matrices, or with `stacked` a mixture-of-experts weight (4 experts of 32 x 48) and a fused
+// QKV split by head (6 heads of 16 x 48) (replicated on one rank, float32).
 struct Counts {
   int64_t gemm_calls, products, largest_batch, pass_calls, passes;
 };
 
-Counts count_step(int layers, shardmuon_ns_algorithm algorithm, shardmuon_nonfinite_policy policy) {
-  const int64_t shapes[][2] = {{48, 144}, {48, 48}, {48, 192}, {192, 48}};
+Counts count_step(int layers, shardmuon_ns_algorithm algorithm, shardmuon_nonfinite_policy policy,
+                  bool stacked = false) {
+  struct Shape {
+    int64_t rows, cols, row_blocks;
+  };
+  const std::vector<Shape> shapes =
+      stacked ? std::vector<Shape>{{4 * 32, 48, 4}, {6 * 16, 48, 6}}
+              : std::vector<Shape>{{48, 144, 1}, {48, 48, 1}, {48, 192, 1}, {192, 48, 1}};
   std::vector<std::vector<float>> buffers;  // param, grad, momentum of each parameter
   std::vector<shardmuon_muon_param> params;
   for (int layer = 0; layer < layers; ++layer) {
-    for (const auto& shape : shapes) {
-      const size_t elements = static_cast<size_t>(shape[0] * shape[1]);
+    for (const Shape& shape : shapes) {
+      const size_t elements = static_cast<size_t>(shape.rows * shape.cols);
       shardmuon_muon_param param{};
       for (int b = 0; b < 3; ++b) {
         buffers.emplace_back(elements);
@@ -146,7 +153,8 @@ Counts count_step(int layers, shardmuon_ns_algorithm algorithm, shardmuon_nonfin
       param.grad = buffers[buffers.size() - 2].data();
       param.momentum = buffers[buffers.size() - 1].data();
       param.dtype = SHARDMUON_FLOAT32;
-      param.layout = {shape[0], shape[1], SHARDMUON_REPLICATED, 1, nullptr};
+      param.layout = {shape.rows, shape.cols, SHARDMUON_REPLICATED, 1, nullptr};
+      param.row_blocks = shape.row_blocks;
       params.push_back(param);
     }
   }
@@ -188,6 +196,18 @@ TEST_P(StepLaunches, LayersOfOneShapeShareTheirCalls) {
   EXPECT_EQ(one.pass_calls, kinds);
   EXPECT_EQ(four.pass_calls, kinds);
   EXPECT_EQ(four.passes, kinds * 16);
+}
+
+// The experts or heads of every layer: one batch per problem for the whole step.
+TEST_P(StepLaunches, StackedMatricesOfEveryLayerShareTheirCalls) {
+  const auto [algorithm, policy] = GetParam();
+  const Counts one = count_step(1, algorithm, policy, true);
+  const Counts four = count_step(4, algorithm, policy, true);
+  EXPECT_GT(one.gemm_calls, 0);
+  EXPECT_EQ(four.gemm_calls, one.gemm_calls);
+  EXPECT_EQ(four.products, 4 * one.products);
+  EXPECT_EQ(one.largest_batch, 6);
+  EXPECT_EQ(four.largest_batch, 24);
 }
 
 // The counter counts what it should: with batches of one, four layers make four times the
