@@ -71,12 +71,14 @@ def worst_update_error(params, initial, references):
                for p, (w, _, _), r in zip(params, initial, references))
 
 
-def executed_floor_ms(optimizer, shapes, rates, dtype_name):
+def executed_floor_ms(optimizer, shapes, rates, dtype_name, blocks=None):
     """The GEMM flops shardmuon ran under the step's plan (one triangle of the symmetric
     products, Gram Newton-Schulz where planned) over `rates`, as bench_newton_schulz.py counts
-    them, summed over the matrices."""
-    return sum(floor_ms(min(r, c), max(r, c), STEPS, rates, dtype_name, 1, "local", plan["gram_iteration"])[0]
-               for (_, r, c), plan in zip(shapes, optimizer.plan().values()))
+    them, summed over the matrices: one per parameter, or blocks[i] of shapes[i] stacked."""
+    blocks = blocks or [1] * len(shapes)
+    return sum(count * floor_ms(min(r, c), max(r, c), STEPS, rates, dtype_name, 1, "local",
+                                plan["gram_iteration"])[0]
+               for (_, r, c), count, plan in zip(shapes, blocks, optimizer.plan().values()))
 
 
 def main():

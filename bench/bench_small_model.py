@@ -24,6 +24,11 @@ and the elementwise passes, and these small products run well below that rate (t
 the model's largest, d x 4d by 4d x d, is printed beside it).
 Accuracy: after one step from the same state, every parameter's update against a float64
 step, as a relative Frobenius error, the worst over the parameters.
+
+With --split-qkv, the QKV weight is orthogonalized as three d x d matrices (query, key and
+value each on its own, as modded-nanogpt does): one 3d x d parameter with muon_row_blocks = 3,
+whose blocks share strided batches with the output projections (d x d too). torch.optim.Muon,
+which takes no stacked parameters, is left out then.
 """
 
 from __future__ import annotations
@@ -49,6 +54,13 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 def layer_shapes(width):
     return [("attn.qkv", 3 * width, width), ("attn.out", width, width), ("mlp.up", 4 * width, width),
             ("mlp.down", width, 4 * width)]
+
+
+def layer_matrices(width, split_qkv):
+    """A layer's parameters as (name, rows, cols, blocks): each orthogonalized whole, or with
+    split_qkv the QKV weight as 3 stacked d x d matrices."""
+    return [(name, rows // 3, cols, 3) if split_qkv and name == "attn.qkv" else (name, rows, cols, 1)
+            for name, rows, cols in layer_shapes(width)]
 
 
 def median_times(device, warmups, repeats, prepare, run):
@@ -77,6 +89,8 @@ def main():
     parser.add_argument("--model", choices=sorted(MODELS), default="gpt2")
     parser.add_argument("--layers", type=int, help="the model's own count unless given")
     parser.add_argument("--weights", choices=sorted(DTYPES), default="bfloat16")
+    parser.add_argument("--split-qkv", action="store_true",
+                        help="QKV as three stacked d x d matrices (muon_row_blocks = 3)")
     parser.set_defaults(repeats=20, warmups=3)
     args = parser.parse_args()
 
@@ -85,13 +99,27 @@ def main():
     layers = args.layers or layers
     width //= args.scale
     dtype = DTYPES[args.weights]
-    shapes = [(f"layers.{layer}.{name}", rows, cols) for layer in range(layers) for name, rows, cols in
-              layer_shapes(width)]
+    # Per parameter: its matrices' shape and how many are stacked in its rows.
+    stacks = [(f"layers.{layer}.{name}", rows, cols, blocks) for layer in range(layers)
+              for name, rows, cols, blocks in layer_matrices(width, args.split_qkv)]
+    shapes = [(name, rows, cols) for name, rows, cols, _ in stacks]
+    blocks = [count for _, _, _, count in stacks]
 
-    initial = random_state(shapes, device, dtype)
-    references = reference_updates(initial, shapes)
+    # The state and the float64 reference of every matrix, then stacked per parameter.
+    matrices = [(name, rows, cols) for name, rows, cols, count in stacks for _ in range(count)]
+    matrix_state = random_state(matrices, device, dtype)
+    matrix_references = reference_updates(matrix_state, matrices)
+    initial, references, first = [], [], 0
+    for count in blocks:
+        pieces = matrix_state[first:first + count]
+        initial.append(tuple(torch.cat([piece[k] for piece in pieces]) for k in range(3)))
+        references.append(torch.cat(matrix_references[first:first + count]))
+        first += count
     params = [torch.nn.Parameter(w.clone()) for w, _, _ in initial]
-    useful = sum(STEPS * (4 * min(r, c) ** 2 * max(r, c) + 2 * min(r, c) ** 3) for _, r, c in shapes)
+    for p, count in zip(params, blocks):
+        if count > 1:
+            p.muon_row_blocks = count
+    useful = sum(STEPS * (4 * min(r, c) ** 2 * max(r, c) + 2 * min(r, c) ** 3) for _, r, c in matrices)
     product_dtype = torch.bfloat16 if device.type == "cuda" else dtype
 
     def gemm_rate(rows, inner):
@@ -128,7 +156,7 @@ def main():
                   ("shardmuon, one matrix per batch", shardmuon, False, "1")]
     if device.type == "cuda":
         candidates.append(("shardmuon, captured in a CUDA graph", shardmuon, True, None))
-    if hasattr(torch.optim, "Muon"):
+    if hasattr(torch.optim, "Muon") and not args.split_qkv:
         candidates.append(("torch.optim.Muon", lambda: torch.optim.Muon(params, **common, ns_steps=STEPS, eps=1e-7),
                            False, None))
 
@@ -156,15 +184,16 @@ def main():
             torch.cuda.synchronize()
         floor = useful / peak * 1e3
         if isinstance(optimizer, st.Muon):  # the flops of the plan it ran
-            floor = executed_floor_ms(optimizer, shapes, {"gemm_bf16": peak}, "bf16")
+            floor = executed_floor_ms(optimizer, shapes, {"gemm_bf16": peak}, "bf16", blocks)
         results[label] = (gpu_ms, host_ms, floor, worst_update_error(params, initial, references))
     os.environ.pop("SHARDMUON_MAX_NS_BATCH", None)
 
     report = Report()
     emit = report.emit
     name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
-    emit(f"# {args.model}: {len(shapes)} matrices ({layers} layers of width {width}), {args.weights} weights, "
-         f"1 x {name}, torch {torch.__version__}")
+    split = ", QKV as 3 stacked matrices" if args.split_qkv else ""
+    emit(f"# {args.model}: {len(matrices)} matrices ({layers} layers of width {width}{split}), {args.weights} "
+         f"weights, 1 x {name}, torch {torch.__version__}")
     emit(f"GEMM rates measured: {peak / 1e12:.1f} TFLOP/s at {square}^3 (the floors'), {model_rate / 1e12:.1f} at "
          f"{width} x {4 * width} by {4 * width} x {width}; useful Newton-Schulz flops {useful / 1e9:.1f} GFLOP")
     emit("")
@@ -175,8 +204,8 @@ def main():
     for label, (gpu_ms, host_ms, floor, error) in results.items():
         ratio = f"{baseline[0] / gpu_ms:.2f}" if baseline else "-"
         emit(f"| {label} | {gpu_ms:.3f} | {host_ms:.3f} | {ratio} | {floor:.3f} | {gpu_ms / floor:.2f} | "
-             f"{gpu_ms * 1e3 / len(shapes):.1f} | {error:.2e} |")
-    report.save(args.out, f"bench_small_model_{args.model}_{args.weights}.md")
+             f"{gpu_ms * 1e3 / len(matrices):.1f} | {error:.2e} |")
+    report.save(args.out, f"bench_small_model_{args.model}_{args.weights}{'_split_qkv' if args.split_qkv else ''}.md")
 
 
 if __name__ == "__main__":
