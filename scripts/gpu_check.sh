@@ -254,6 +254,10 @@ if [[ "$what" == "step" ]]; then
   timeout 200 python3 bench/bench_small_model.py --out "$out" >"$out/bench_small_model.log" 2>&1
   results+=("small-model benchmark (1 GPU): rc=$?")
   grep -E "^\||GEMM" "$out/bench_small_model.log"
+  # The same with QKV as three stacked d x d blocks, which share batches with other layers'.
+  timeout 200 python3 bench/bench_small_model.py --split-qkv --out "$out" >"$out/bench_small_model_split.log" 2>&1
+  results+=("small-model benchmark, QKV split (1 GPU): rc=$?")
+  grep -E "^\||GEMM" "$out/bench_small_model_split.log"
   printf '%s\n' "${results[@]}"
   exit 0
 fi

@@ -149,6 +149,25 @@ void with_dtypes(int state, int update, const char* what, Launch launch) {
   fail(SHARDMUON_ERROR_INTERNAL, what, ": unsupported dtypes ", state, ", ", update);
 }
 
+// Launches each list of `kinds` (keyed by the state's dtype, the update's, and whether every
+// pointer allows vector accesses) with kernel_of(T{}, U{}, std::integral_constant<int, N>{}).
+template <typename Args, typename KernelOf>
+void launch_kinds(const char* name, const std::map<std::array<int, 3>, std::vector<Args>>& kinds,
+                  KernelOf kernel_of, cudaStream_t stream) {
+  for (const auto& kind : kinds) {
+    const std::array<int, 3>& key = kind.first;
+    with_dtypes(key[0], key[1], name, [&](auto state, auto update) {
+      using T = decltype(state);
+      using U = decltype(update);
+      with_switch(key[2], [&](auto vectorized) {
+        constexpr int N = decltype(vectorized)::value ? vector_width<T, U>() : 1;
+        launch_tables(name, kernel_of(state, update, std::integral_constant<int, N>{}), N,
+                      kind.second, stream);
+      });
+    });
+  }
+}
+
 // MomentumPass as kernel arguments. momentum_out is momentum itself, or the buffer a checked
 // step commits from later.
 struct MomentumArgs {
@@ -367,17 +386,12 @@ void update_passes_cuda(const std::vector<UpdatePass>& passes, cudaStream_t stre
         {pass.param, pass.update, pass.count, static_cast<float>(pass.decay),
          static_cast<float>(pass.step_size), DeviceRate::of(pass.device_lr)});
   }
-  for (const auto& kind : kinds) {
-    const std::array<int, 3>& key = kind.first;
-    with_dtypes(key[0], key[1], "update_passes_cuda", [&](auto state, auto update) {
-      using T = decltype(state);
-      using U = decltype(update);
-      with_switch(key[2], [&](auto vectorized) {
-        constexpr int N = decltype(vectorized)::value ? vector_width<T, U>() : 1;
-        launch_tables("update_kernel", update_kernel<T, U, N>, N, kind.second, stream);
-      });
-    });
-  }
+  launch_kinds(
+      "update_kernel", kinds,
+      [](auto state, auto update, auto width) {
+        return update_kernel<decltype(state), decltype(update), decltype(width)::value>;
+      },
+      stream);
 }
 
 void commit_passes_cuda(const std::vector<CommitPass>& passes, cudaStream_t stream) {
@@ -392,17 +406,12 @@ void commit_passes_cuda(const std::vector<CommitPass>& passes, cudaStream_t stre
          static_cast<float>(pass.decay), static_cast<float>(pass.step_size),
          DeviceRate::of(pass.device_lr)});
   }
-  for (const auto& kind : kinds) {
-    const std::array<int, 3>& key = kind.first;
-    with_dtypes(key[0], key[1], "commit_passes_cuda", [&](auto state, auto update) {
-      using T = decltype(state);
-      using U = decltype(update);
-      with_switch(key[2], [&](auto vectorized) {
-        constexpr int N = decltype(vectorized)::value ? vector_width<T, U>() : 1;
-        launch_tables("commit_kernel", commit_kernel<T, U, N>, N, kind.second, stream);
-      });
-    });
-  }
+  launch_kinds(
+      "commit_kernel", kinds,
+      [](auto state, auto update, auto width) {
+        return commit_kernel<decltype(state), decltype(update), decltype(width)::value>;
+      },
+      stream);
 }
 
 void flag_nonfinite_cuda(const std::vector<FiniteCheck>& checks, cudaStream_t stream) {
