@@ -98,6 +98,7 @@ __device__ __forceinline__ void for_each_access(const Table& table, int p, int64
 template <typename Args>
 void launch_tables(const char* name, void (*kernel)(PassTable<Args>), int width,
                    const std::vector<Args>& passes, cudaStream_t stream) {
+  static_assert(sizeof(PassTable<Args>) <= 32764, "a table must fit a launch's arguments");
   constexpr int64_t kMaxBlocks = (int64_t{1} << 31) - 1;
   PassTable<Args> table{};
   auto launch = [&] {
