@@ -96,14 +96,19 @@ class _PerTensor:
 
 
 class _ParamName:
-    """A parameter's name in error messages: its label, shape, dtype and device, formatted
-    only when a message is (formatting one per parameter at every step was a measurable part
-    of a small model's step)."""
+    """A parameter's name in error messages: its label (the name given with it, else where it
+    is in param_groups), shape, dtype and device, formatted only when a message is (formatting
+    one per parameter at every step was a measurable part of a small model's step)."""
 
-    __slots__ = ("param", "label")
+    __slots__ = ("names", "param", "group_index", "index")
 
-    def __init__(self, param: torch.Tensor, label: str):
-        self.param, self.label = param, label
+    def __init__(self, names, param: torch.Tensor, group_index: int, index: int):
+        self.names, self.param, self.group_index, self.index = names, param, group_index, index
+
+    @property
+    def label(self) -> str:
+        label = self.names.get(self.param)
+        return f"param_groups[{self.group_index}]['params'][{self.index}]" if label is None else label
 
     def __str__(self) -> str:
         return f"{self.label} (shape {tuple(self.param.shape)}, {self.param.dtype}, {self.param.device})"
@@ -267,13 +272,9 @@ class Muon(torch.optim.Optimizer):
 
     # -- helpers ------------------------------------------------------------------------------
 
-    def _label(self, param: torch.Tensor, group_index: int, index: int) -> str:
-        """The name given with the parameter, else where it is in param_groups."""
-        return self._param_names.get(param, f"param_groups[{group_index}]['params'][{index}]")
-
-    def _name(self, param: torch.Tensor, group_index: int, index: int, label: Optional[str] = None) -> str:
-        """The label with what an error message needs: shape, dtype and device."""
-        return str(_ParamName(param, self._label(param, group_index, index) if label is None else label))
+    def _name(self, param: torch.Tensor, group_index: int, index: int) -> str:
+        """The parameter's label with what an error message needs: shape, dtype and device."""
+        return str(_ParamName(self._param_names, param, group_index, index))
 
     def _muon_groups(self):
         """(index, group) of the groups this class steps (MuonWithAdamW leaves out the others)."""
@@ -434,15 +435,13 @@ class Muon(torch.optim.Optimizer):
         entries, failure = [], None
         for group_index, group in self._muon_groups():
             for index, param in enumerate(group["params"]):
-                label = self._label(param, group_index, index)
-                name = _ParamName(param, label)
+                name = _ParamName(self._param_names, param, group_index, index)
                 try:
                     entry = self._entry(param, group, group_index, name)
                 except (ValueError, TypeError) as error:
                     failure = failure or error
                     entry = {"param": param, "stub": True, "group": group_index, "name": name,
                              "process_group": self._process_group_of(param, name)}
-                entry["label"] = label
                 entries.append(entry)
         return entries, failure
 
@@ -717,7 +716,7 @@ class Muon(torch.optim.Optimizer):
                                      "gram_iteration": bool(gram[i]),
                                      "group_size": group_size(e["process_group"]),
                                      "redistributed": e["regroup"]}
-        return {e["label"]: result[e["name"]] for e in entries}
+        return {e["name"].label: result[e["name"]] for e in entries}
 
     def _momentum(self, param, local, name) -> torch.Tensor:
         """A parameter's momentum buffer (created as zeros on its first step; a DTensor
