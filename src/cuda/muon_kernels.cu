@@ -416,29 +416,19 @@ void commit_passes_cuda(const std::vector<CommitPass>& passes, cudaStream_t stre
 }
 
 void flag_nonfinite_cuda(const std::vector<FiniteCheck>& checks, cudaStream_t stream) {
-  std::map<std::array<int, 2>, std::vector<FiniteArgs>> kinds;
+  // Keyed as launch_kinds keys passes: the values' dtype twice (state and update alike).
+  std::map<std::array<int, 3>, std::vector<FiniteArgs>> kinds;
   for (const FiniteCheck& check : checks) {
     if (check.count == 0) continue;
-    kinds[{check.dtype, aligned(check.values)}].push_back({check.values, check.flag, check.count});
+    kinds[{check.dtype, check.dtype, aligned(check.values)}].push_back(
+        {check.values, check.flag, check.count});
   }
-  for (const auto& kind : kinds) {
-    const std::array<int, 2>& key = kind.first;
-    auto launch = [&](auto element) {
-      using T = decltype(element);
-      with_switch(key[1], [&](auto vectorized) {
-        constexpr int N =
-            decltype(vectorized)::value ? kVectorBytes / static_cast<int>(sizeof(T)) : 1;
-        launch_tables("flag_nonfinite_kernel", flag_nonfinite_kernel<T, N>, N, kind.second, stream);
-      });
-    };
-    if (key[0] == SHARDMUON_BFLOAT16) {
-      launch(__nv_bfloat16{});
-    } else if (key[0] == SHARDMUON_FLOAT32) {
-      launch(float{});
-    } else {
-      fail(SHARDMUON_ERROR_INTERNAL, "flag_nonfinite_cuda: unsupported dtype ", key[0]);
-    }
-  }
+  launch_kinds(
+      "flag_nonfinite_kernel", kinds,
+      [](auto values, auto, auto width) {
+        return flag_nonfinite_kernel<decltype(values), decltype(width)::value>;
+      },
+      stream);
 }
 
 void count_if_flagged_cuda(const float* flag, int64_t* counter, cudaStream_t stream) {

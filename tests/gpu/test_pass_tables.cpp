@@ -271,6 +271,17 @@ float* flag_of(const State& state, const Placed& placed, size_t p) {
   return reinterpret_cast<float*>(placed.status + state.flags_at() + p * 4);
 }
 
+// Hands `passes` to a Backend list method: all in one list, or each in a list of its own.
+template <typename Pass>
+void hand_over(Backend& backend, void (Backend::*method)(const std::vector<Pass>&, Stream),
+               const std::vector<Pass>& passes, bool together) {
+  if (together) {
+    (backend.*method)(passes, nullptr);
+  } else {
+    for (const Pass& pass : passes) (backend.*method)({pass}, nullptr);
+  }
+}
+
 void momentum_issue(Backend& backend, const State& state, const Placed& placed, bool together) {
   std::vector<MomentumPass> passes;
   for (size_t p = 0; p < state.specs.size(); ++p) {
@@ -290,11 +301,7 @@ void momentum_issue(Backend& backend, const State& state, const Placed& placed, 
     pass.nonfinite_flag = flag_of(state, placed, p);
     passes.push_back(pass);
   }
-  if (together) {
-    backend.momentum_passes(passes, nullptr);
-  } else {
-    for (const MomentumPass& pass : passes) backend.momentum_passes({pass}, nullptr);
-  }
+  hand_over(backend, &Backend::momentum_passes, passes, together);
 }
 
 DeviceLearningRate rate_of(const State& state, const Placed& placed, const PassSpec& spec) {
@@ -315,11 +322,7 @@ void update_issue(Backend& backend, const State& state, const Placed& placed, bo
                       spec.state, spec.update, spec.count, 0.999,
                       0.05 + 0.001 * static_cast<double>(p % 7), rate_of(state, placed, spec)});
   }
-  if (together) {
-    backend.update_passes(passes, nullptr);
-  } else {
-    for (const UpdatePass& pass : passes) backend.update_passes({pass}, nullptr);
-  }
+  hand_over(backend, &Backend::update_passes, passes, together);
 }
 
 // The step's flag is the one after the passes' (clear: the parameters' own flags decide).
@@ -343,11 +346,7 @@ void commit_issue(Backend& backend, const State& state, const Placed& placed, bo
     pass.device_lr = rate_of(state, placed, spec);
     passes.push_back(pass);
   }
-  if (together) {
-    backend.commit_passes(passes, nullptr);
-  } else {
-    for (const CommitPass& pass : passes) backend.commit_passes({pass}, nullptr);
-  }
+  hand_over(backend, &Backend::commit_passes, passes, together);
 }
 
 void finite_issue(Backend& backend, const State& state, const Placed& placed, bool together) {
@@ -357,11 +356,7 @@ void finite_issue(Backend& backend, const State& state, const Placed& placed, bo
     checks.push_back(
         {pointer(state, placed, kUpdate, p), spec.update, spec.count, flag_of(state, placed, p)});
   }
-  if (together) {
-    backend.flag_nonfinite(checks, nullptr);
-  } else {
-    for (const FiniteCheck& check : checks) backend.flag_nonfinite({check}, nullptr);
-  }
+  hand_over(backend, &Backend::flag_nonfinite, checks, together);
 }
 
 class PassTables : public ::testing::TestWithParam<bool> {};
