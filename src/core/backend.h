@@ -250,10 +250,13 @@ class Backend {
   // The n x n matrix (column-major, dtype) becomes exactly symmetric: its upper triangle is
   // overwritten with its lower one, after `diagonal` (if given) has set its diagonal. For a
   // batch, matrix b is at b * n * n. Unless square_parts is null, it receives the result's
-  // column squares as unpack_symmetric's do.
+  // column squares as unpack_symmetric's do, taken from the lower triangle (and the diagonal
+  // set). With upper_computed (the product wrote both triangles: one plain GEMM), the upper
+  // triangle is left as it is, symmetric to rounding, and only the diagonal and the squares
+  // are written: the stores of half the matrix saved.
   virtual void mirror_lower(void* matrix, shardmuon_dtype dtype, int64_t n, int64_t batch,
                             const SymmetricDiagonal& diagonal, void* square_parts,
-                            Stream stream) = 0;
+                            bool upper_computed, Stream stream) = 0;
   // A stream for communication that overlaps computation on `stream` (the CUDA backend's
   // own, created once; the CPU backend, which computes before returning, gives `stream`).
   virtual Stream side_stream(Stream stream) = 0;

@@ -418,7 +418,9 @@ struct GramOperand {
 // A = X X^T of a whole block on one rank: every lower tile in one launch, written rounded to
 // the storage dtype where it lies in the full matrix, whose upper triangle is then mirrored
 // from the lower one (a pass over half the matrix; no float32 triangle to unpack). The
-// mirroring pass also takes A's column squares (for P's diagonal).
+// mirroring pass also takes A's column squares (for P's diagonal). With one block the
+// product is one plain GEMM, which wrote the upper triangle too: it is kept (see
+// Backend::mirror_lower).
 void local_gram_product(Backend& backend, shardmuon_dtype dtype, const WideBlock& block,
                         const void* x, const IterationBuffers& buffers, Stream stream) {
   const size_t element = element_size(dtype);
@@ -444,7 +446,7 @@ void local_gram_product(Backend& backend, shardmuon_dtype dtype, const WideBlock
       },
       stream);
   backend.mirror_lower(buffers.gram_full, dtype, s, buffers.batch, SymmetricDiagonal{},
-                       buffers.column_squares, stream);
+                       buffers.column_squares, tiles.blocks() == 1, stream);
 }
 
 // The dtype a Gram summed over a group is written, all-reduced and unpacked in: bfloat16 for
@@ -543,9 +545,10 @@ void gram_product(Backend& backend, Communicator* comm, shardmuon_dtype dtype,
 // d = alpha A B + beta C (full s x s, storage dtype; C is read only where beta != 0) for
 // operands whose product is symmetric: A A, or products of polynomials in the same Gram matrix,
 // which commute. Every lower tile in one launch, written rounded where it lies in d; then the
-// pass that mirrors the lower triangle to the upper one, after `diagonal` (when it has
-// squares) has set the diagonal, and which takes d's column squares into square_parts unless
-// it is null. d must not be A or B. Over a batch, matrix i of each is i full matrices on.
+// pass that mirrors the lower triangle to the upper one (unless one block, a plain GEMM,
+// computed both), after `diagonal` (when it has squares) has set the diagonal, and which
+// takes d's column squares into square_parts unless it is null. d must not be A or B. Over
+// a batch, matrix i of each is i full matrices on.
 void symmetric_product(Backend& backend, shardmuon_dtype dtype, const SymmetricTiles& tiles,
                        int64_t batch, const void* a, const void* b, void* d, Stream stream,
                        double alpha = 1.0, double beta = 0.0, const void* c = nullptr,
@@ -573,7 +576,7 @@ void symmetric_product(Backend& backend, shardmuon_dtype dtype, const SymmetricT
         return tile;
       },
       stream);
-  backend.mirror_lower(d, dtype, s, batch, diagonal, square_parts, stream);
+  backend.mirror_lower(d, dtype, s, batch, diagonal, square_parts, tiles.blocks() == 1, stream);
 }
 
 // P = a I + b A + c A A from A (storage dtype, full, exactly symmetric): every lower tile is

@@ -267,7 +267,8 @@ class CpuBackend final : public Backend {
   }
 
   void mirror_lower(void* matrix, shardmuon_dtype dtype, int64_t n, int64_t batch,
-                    const SymmetricDiagonal& diagonal, void* square_parts, Stream) override {
+                    const SymmetricDiagonal& diagonal, void* square_parts, bool upper_computed,
+                    Stream) override {
     const shardmuon_dtype accumulate = accumulate_dtype(dtype);
     const bool wide = dtype == SHARDMUON_FLOAT64;  // else float32 arithmetic, as on CUDA
     for (int64_t m = 0; m < batch; ++m) {
@@ -285,6 +286,7 @@ class CpuBackend final : public Backend {
                          static_cast<float>(diagonal.square_scale) * static_cast<float>(square));
           store_element(matrix, dtype, at, value);
         }
+        if (upper_computed) continue;
         for (int64_t r = c + 1; r < n; ++r) {
           store_element(matrix, dtype, base + r * n + c,
                         load_element(matrix, dtype, base + c * n + r));
@@ -294,14 +296,17 @@ class CpuBackend final : public Backend {
     if (square_parts != nullptr) store_column_squares(matrix, dtype, n, batch, square_parts);
   }
 
-  // squares[b * n + c] = the sum of squares of column c of matrix b (accumulate dtype).
+  // squares[b * n + c] = the sum of squares of column c of the symmetric matrix whose lower
+  // triangle matrix b holds (accumulate dtype): entry (r, c) is read at (max(r, c), min(r, c)),
+  // so an upper triangle left as a GEMM wrote it (mirror_lower's upper_computed) is not read.
   static void store_column_squares(const void* matrix, shardmuon_dtype dtype, int64_t n,
                                    int64_t batch, void* squares) {
     for (int64_t m = 0; m < batch; ++m) {
       for (int64_t c = 0; c < n; ++c) {
         double sum = 0.0;
         for (int64_t r = 0; r < n; ++r) {
-          const double value = load_element(matrix, dtype, m * n * n + c * n + r);
+          const int64_t at = r >= c ? c * n + r : r * n + c;  // column-major (max, min)
+          const double value = load_element(matrix, dtype, m * n * n + at);
           sum += value * value;
         }
         store_element(squares, accumulate_dtype(dtype), m * n + c, sum);

@@ -265,8 +265,10 @@ class CudaBackend final : public Backend {
   }
 
   void mirror_lower(void* matrix, shardmuon_dtype dtype, int64_t n, int64_t batch,
-                    const SymmetricDiagonal& diagonal, void* square_parts, Stream stream) override {
-    mirror_lower_cuda(matrix, dtype, n, batch, diagonal, square_parts, as_cuda(stream));
+                    const SymmetricDiagonal& diagonal, void* square_parts, bool upper_computed,
+                    Stream stream) override {
+    mirror_lower_cuda(matrix, dtype, n, batch, diagonal, square_parts, upper_computed,
+                      as_cuda(stream));
   }
 
   Stream side_stream(Stream) override { return side_stream_.get(); }

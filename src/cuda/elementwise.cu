@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cub/block/block_reduce.cuh>
+#include <type_traits>
 
 #include "core/error.h"
 #include "cuda/cuda_check.h"
@@ -319,8 +320,10 @@ __global__ void __launch_bounds__(kThreadsX* kThreadsY)
 // mirror_lower, one 64 x 64 tile pair per thread block as in unpack_symmetric_kernel: the lower
 // tile (I, J) is read into shared memory, then written transposed to tile (J, I), or, on a
 // diagonal tile, to its own upper triangle, whose diagonal is set first from the addend's
-// column squares (their parts, added in a fixed order) when there are some.
-template <typename T>
+// column squares (their parts, added in a fixed order) when there are some. Without
+// kStoreUpper (a product that wrote both triangles) nothing above the diagonal is written,
+// and a tile is read only for the squares.
+template <typename T, bool kStoreUpper>
 __global__ void __launch_bounds__(kThreadsX* kThreadsY)
     mirror_lower_kernel(T* matrix_batch, int64_t n, const float* squares_batch, float square_scale,
                         float scale, const T* addend_batch, float shift, float* parts_batch) {
@@ -333,7 +336,7 @@ __global__ void __launch_bounds__(kThreadsX* kThreadsY)
   const int64_t row0 = tile_row * kTile, col0 = tile_col * kTile;
   const int row_in_tile = 2 * threadIdx.x;
   const int64_t r = row0 + row_in_tile;  // this thread's rows are r and r + 1 (n is even)
-  for (int y = threadIdx.y; y < kTile; y += kThreadsY) {
+  for (int y = threadIdx.y; y < kTile && (kStoreUpper || parts_batch != nullptr); y += kThreadsY) {
     const int64_t c = col0 + y;
     if (r >= n || c >= n || r + 1 < c) continue;  // outside, or above the diagonal
     const float2 pair = load_pair(matrix, c * n + r);
@@ -369,15 +372,17 @@ __global__ void __launch_bounds__(kThreadsX* kThreadsY)
     __syncthreads();
   }
 
-  if (tile_row == tile_col) {  // the upper triangle of this tile: column c, rows r < c
-    for (int y = threadIdx.y; y < kTile; y += kThreadsY) {
-      const int64_t c = col0 + y;
-      if (r >= n || c >= n) continue;
-      if (r < c) matrix[c * n + r] = from_float<T>(tile[row_in_tile][y]);
-      if (r + 1 < c) matrix[c * n + r + 1] = from_float<T>(tile[row_in_tile + 1][y]);
+  if constexpr (kStoreUpper) {
+    if (tile_row == tile_col) {  // the upper triangle of this tile: column c, rows r < c
+      for (int y = threadIdx.y; y < kTile; y += kThreadsY) {
+        const int64_t c = col0 + y;
+        if (r >= n || c >= n) continue;
+        if (r < c) matrix[c * n + r] = from_float<T>(tile[row_in_tile][y]);
+        if (r + 1 < c) matrix[c * n + r + 1] = from_float<T>(tile[row_in_tile + 1][y]);
+      }
+    } else {
+      store_mirror_tile(tile, tile_row, tile_col, n, matrix);
     }
-  } else {
-    store_mirror_tile(tile, tile_row, tile_col, n, matrix);
   }
   // The squares last, while the stores drain.
   if (parts_batch != nullptr) {
@@ -583,24 +588,39 @@ void unpack_symmetric_cuda(const void* packed, shardmuon_dtype src_type,
 }
 
 void mirror_lower_cuda(void* matrix, shardmuon_dtype dtype, int64_t n, int64_t batch,
-                       const SymmetricDiagonal& diagonal, void* square_parts, cudaStream_t stream) {
+                       const SymmetricDiagonal& diagonal, void* square_parts, bool upper_computed,
+                       cudaStream_t stream) {
   if (n == 0 || batch == 0) return;
+  if (upper_computed && diagonal.squares == nullptr && square_parts == nullptr) return;
   if (n % 2 != 0) fail(SHARDMUON_ERROR_INTERNAL, "mirror_lower_cuda takes an even side, not ", n);
-  const dim3 grid = lower_tile_grid(n, batch);
+  dim3 grid = lower_tile_grid(n, batch);
+  // With nothing to store above the diagonal and no squares, only the diagonal tiles have
+  // work: they come first in the grid (lower_tile_of).
+  if (upper_computed && square_parts == nullptr)
+    grid.x = static_cast<unsigned int>(tiles_per_side(n));
   const dim3 block(kThreadsX, kThreadsY);
   const float* squares = static_cast<const float*>(diagonal.squares);
   const float square_scale = static_cast<float>(diagonal.square_scale),
               scale = static_cast<float>(diagonal.scale),
               shift = static_cast<float>(diagonal.shift);
   float* parts = static_cast<float*>(square_parts);
-  if (dtype == SHARDMUON_FLOAT32) {
-    launch_kernel("mirror_lower_kernel", mirror_lower_kernel<float>, grid, block, stream,
-                  static_cast<float*>(matrix), n, squares, square_scale, scale,
-                  static_cast<const float*>(diagonal.addend), shift, parts);
+  auto launch = [&](auto element, auto store_upper) {
+    using T = decltype(element);
+    launch_kernel("mirror_lower_kernel", mirror_lower_kernel<T, decltype(store_upper)::value>, grid,
+                  block, stream, static_cast<T*>(matrix), n, squares, square_scale, scale,
+                  static_cast<const T*>(diagonal.addend), shift, parts);
+  };
+  auto with_element = [&](auto store_upper) {
+    if (dtype == SHARDMUON_FLOAT32) {
+      launch(float{}, store_upper);
+    } else {
+      launch(__nv_bfloat16{}, store_upper);
+    }
+  };
+  if (upper_computed) {
+    with_element(std::false_type{});
   } else {
-    launch_kernel("mirror_lower_kernel", mirror_lower_kernel<__nv_bfloat16>, grid, block, stream,
-                  static_cast<__nv_bfloat16*>(matrix), n, squares, square_scale, scale,
-                  static_cast<const __nv_bfloat16*>(diagonal.addend), shift, parts);
+    with_element(std::true_type{});
   }
 }
 

@@ -27,7 +27,8 @@ void unpack_symmetric_cuda(const void* packed, shardmuon_dtype src_type,
                            cudaStream_t stream);
 
 void mirror_lower_cuda(void* matrix, shardmuon_dtype dtype, int64_t n, int64_t batch,
-                       const SymmetricDiagonal& diagonal, void* square_parts, cudaStream_t stream);
+                       const SymmetricDiagonal& diagonal, void* square_parts, bool upper_computed,
+                       cudaStream_t stream);
 
 // Backend::copy_2d between device buffers: `rows` rows of row_bytes each. A kernel moving the
 // widest unit that divides both pointers, both pitches and row_bytes; cudaMemcpy2DAsync

@@ -104,8 +104,8 @@ TEST_P(SymmetricPasses, MirrorMatchesTheCpuBackendWithItsColumnSquares) {
         static_cast<size_t>(cuda_->column_square_parts(n) * n * kBatch) * 4;
     void* device_parts = on_device(std::vector<char>(cuda_parts_bytes));
     cpu_->mirror_lower(cpu_matrix.data(), dtype, n, kBatch, SymmetricDiagonal{}, cpu_parts.data(),
-                       nullptr);
-    cuda_->mirror_lower(device_matrix, dtype, n, kBatch, SymmetricDiagonal{}, device_parts,
+                       false, nullptr);
+    cuda_->mirror_lower(device_matrix, dtype, n, kBatch, SymmetricDiagonal{}, device_parts, false,
                         nullptr);
     const std::vector<char> cuda_parts = to_host(device_parts, cuda_parts_bytes);
     expect_same_matrices(cpu_matrix, to_host(device_matrix, cpu_matrix.size()), dtype, elements,
@@ -123,10 +123,10 @@ TEST_P(SymmetricPasses, MirrorMatchesTheCpuBackendWithItsColumnSquares) {
     diagonal.shift = 3.0;
     diagonal.addend = cpu_matrix.data();
     diagonal.squares = cpu_parts.data();
-    cpu_->mirror_lower(cpu_poly.data(), dtype, n, kBatch, diagonal, nullptr, nullptr);
+    cpu_->mirror_lower(cpu_poly.data(), dtype, n, kBatch, diagonal, nullptr, false, nullptr);
     diagonal.addend = device_matrix;
     diagonal.squares = device_parts;
-    cuda_->mirror_lower(device_poly, dtype, n, kBatch, diagonal, nullptr, nullptr);
+    cuda_->mirror_lower(device_poly, dtype, n, kBatch, diagonal, nullptr, false, nullptr);
     const std::vector<char> got = to_host(device_poly, cpu_poly.size());
     for (int64_t m = 0; m < kBatch; ++m) {
       for (int64_t c = 0; c < n; ++c) {
@@ -142,6 +142,74 @@ TEST_P(SymmetricPasses, MirrorMatchesTheCpuBackendWithItsColumnSquares) {
             ASSERT_NEAR(value, expected, std::max(step, 1e-5 * std::fabs(expected)))
                 << "diagonal " << c << " of matrix " << m;
           }
+        }
+      }
+    }
+  }
+}
+
+// A product of one block (a plain GEMM) wrote both triangles: with upper_computed the pass
+// writes only the diagonal (when set) and the squares, which are the mirrored matrix's. Here
+// the matrices are not symmetric, so that a store above the diagonal would show: every entry
+// but a set diagonal must come back as it went in, on both backends, and the squares and the
+// diagonal must equal those of a mirroring pass over the same matrix on the same backend.
+TEST_P(SymmetricPasses, AComputedUpperTriangleIsKeptAndOnlyTheDiagonalAndSquaresAreSet) {
+  const shardmuon_dtype dtype = GetParam();
+  for (const int64_t n : kSides) {
+    SCOPED_TRACE("n " + std::to_string(n));
+    const int64_t elements = n * n * kBatch;
+    const std::vector<char> input = random_elements(dtype, elements, 21);
+    const size_t parts_bytes = static_cast<size_t>(cuda_->column_square_parts(n) * n * kBatch) * 4;
+    std::vector<char> cpu_parts[2];  // [upper_computed]
+    std::vector<char> cuda_parts[2], cuda_matrix[2];
+    void* device_matrix[2] = {};
+    void* device_parts[2] = {};
+    for (const bool upper_computed : {false, true}) {
+      std::vector<char> cpu_matrix = input;
+      cpu_parts[upper_computed].assign(
+          static_cast<size_t>(cpu_->column_square_parts(n) * n * kBatch) * 4, 0);
+      cpu_->mirror_lower(cpu_matrix.data(), dtype, n, kBatch, SymmetricDiagonal{},
+                         cpu_parts[upper_computed].data(), upper_computed, nullptr);
+      device_matrix[upper_computed] = on_device(input);
+      device_parts[upper_computed] = on_device(std::vector<char>(parts_bytes));
+      cuda_->mirror_lower(device_matrix[upper_computed], dtype, n, kBatch, SymmetricDiagonal{},
+                          device_parts[upper_computed], upper_computed, nullptr);
+      cuda_matrix[upper_computed] = to_host(device_matrix[upper_computed], input.size());
+      cuda_parts[upper_computed] = to_host(device_parts[upper_computed], parts_bytes);
+      if (upper_computed) {
+        expect_same_matrices(input, cpu_matrix, dtype, elements, "CPU, upper computed");
+        expect_same_matrices(input, cuda_matrix[1], dtype, elements, "CUDA, upper computed");
+      }
+    }
+    EXPECT_TRUE(cpu_parts[0] == cpu_parts[1]) << "CPU squares differ from the mirrored matrix's";
+    EXPECT_TRUE(cuda_parts[0] == cuda_parts[1]) << "CUDA squares differ from the mirrored matrix's";
+    expect_close_squares(column_squares(*cpu_, cpu_parts[1], n, kBatch),
+                         column_squares(*cuda_, cuda_parts[1], n, kBatch));
+
+    // P's pass: the diagonal from A (the matrix mirrored above) and its squares, alike in both
+    // modes; nothing else written with upper_computed.
+    const std::vector<char> poly = random_elements(dtype, elements, 22);
+    SymmetricDiagonal diagonal;
+    diagonal.square_scale = 0.25;
+    diagonal.scale = -1.5;
+    diagonal.shift = 3.0;
+    diagonal.addend = device_matrix[0];
+    diagonal.squares = device_parts[0];
+    std::vector<char> results[2];
+    for (const bool upper_computed : {false, true}) {
+      void* device_poly = on_device(poly);
+      cuda_->mirror_lower(device_poly, dtype, n, kBatch, diagonal, nullptr, upper_computed,
+                          nullptr);
+      results[upper_computed] = to_host(device_poly, poly.size());
+    }
+    for (int64_t m = 0; m < kBatch; ++m) {
+      for (int64_t c = 0; c < n; ++c) {
+        for (int64_t r = 0; r < n; ++r) {
+          const int64_t i = m * n * n + c * n + r;
+          const double kept = load_element(results[1].data(), dtype, i);
+          const double expected = r == c ? load_element(results[0].data(), dtype, i)
+                                         : load_element(poly.data(), dtype, i);
+          ASSERT_EQ(kept, expected) << "entry (" << r << ", " << c << ") of matrix " << m;
         }
       }
     }

@@ -91,8 +91,9 @@ class CountingBackend final : public Backend {
                              stream);
   }
   void mirror_lower(void* matrix, shardmuon_dtype dtype, int64_t n, int64_t batch,
-                    const SymmetricDiagonal& diagonal, void* square_parts, Stream stream) override {
-    inner_->mirror_lower(matrix, dtype, n, batch, diagonal, square_parts, stream);
+                    const SymmetricDiagonal& diagonal, void* square_parts, bool upper_computed,
+                    Stream stream) override {
+    inner_->mirror_lower(matrix, dtype, n, batch, diagonal, square_parts, upper_computed, stream);
   }
   Stream side_stream(Stream stream) override { return inner_->side_stream(stream); }
   void order_after(Stream waiter, Stream signaller) override {
