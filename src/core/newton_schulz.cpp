@@ -579,7 +579,8 @@ void symmetric_product(Backend& backend, shardmuon_dtype dtype, const SymmetricT
   backend.mirror_lower(d, dtype, s, batch, diagonal, square_parts, tiles.blocks() == 1, stream);
 }
 
-// P = a I + b A + c A A from A (storage dtype, full, exactly symmetric): every lower tile is
+// P = a I + b A + c A A from A (storage dtype, full; exactly symmetric where its product had
+// several blocks, symmetric to rounding where one GEMM wrote it whole): every lower tile is
 // c A A + b A, rounded once where it lies in P (the GEMM's beta reads A), all in one launch;
 // the pass that mirrors P's lower triangle then sets the diagonal to a + b A_ii + c |A_:i|^2,
 // from A's column squares (summed in the accumulate dtype by the pass that made A), rounded
