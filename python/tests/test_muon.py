@@ -173,6 +173,189 @@ def test_a_loaded_momentum_of_another_shape_is_refused_before_the_step():
     assert optimizer.state[weight]["momentum_buffer"].shape == (3, 4)
 
 
+# Changes a user may make between steps, each applied alike to two optimizers (see the test).
+def _swap_in_new_data(opt, a, b, c):
+    a.data = a.data.clone()  # new storage at another address
+
+
+def _replace_a_momentum(opt, a, b, c):
+    opt.state[a]["momentum_buffer"] = opt.state[a]["momentum_buffer"].clone() * 0.5
+
+
+def _reload_the_state(opt, a, b, c):
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+
+
+def _add_a_parameter(opt, a, b, c):
+    opt.param_groups[1]["params"].append(c)
+    c.grad = torch.ones_like(c)
+
+
+def _drop_b_gradient(opt, a, b, c):
+    b.grad = None
+
+
+def _transpose_b_in_place(opt, a, b, c):  # same address and shape, no longer contiguous
+    b.data = b.data.t()
+
+
+def _noncontiguous_gradient(opt, a, b, c):
+    a.grad = torch.ones(a.shape[1], a.shape[0], dtype=a.dtype).t()
+
+
+def _sparse_gradient(opt, a, b, c):
+    a.grad = a.grad.to_sparse()
+
+
+def _momentum_view_of_another_shape(opt, a, b, c):  # same address, the shape of a.T
+    opt.state[a]["momentum_buffer"] = opt.state[a]["momentum_buffer"].view(a.shape[1], a.shape[0])
+
+
+def _momentum_view_of_its_shape(opt, a, b, c):
+    opt.state[a]["momentum_buffer"] = opt.state[a]["momentum_buffer"].view(a.shape)
+
+
+def _transpose_a_in_place(opt, a, b, c):  # same address, contiguous, the shape of a.T
+    a.data = a.data.view(a.shape[1], a.shape[0])
+
+
+def _transpose_a_gradient_in_place(opt, a, b, c):
+    a.grad.data = a.grad.data.view(a.shape[1], a.shape[0])
+
+
+def _a_as_float16(opt, a, b, c):  # same address and shape
+    a.data = a.data.view(torch.float16)
+
+
+def _a_as_bfloat16(opt, a, b, c):
+    a.data = a.data.view(torch.bfloat16)
+
+
+def _a_gradient_as_float16(opt, a, b, c):
+    a.grad.data = a.grad.data.view(torch.float16)
+
+
+def _move_a_momentum(opt, a, b, c):  # the same tensor, its storage elsewhere
+    buffer = opt.state[a]["momentum_buffer"]
+    buffer.data = buffer.data.clone()
+
+
+def _bad_partition_dim(opt, a, b, c):
+    a.partition_dim = 7
+
+
+def _good_partition_dim(opt, a, b, c):
+    a.partition_dim = -1
+
+
+def _new_learning_rate(opt, a, b, c):
+    opt.param_groups[0]["lr"] = 0.05
+
+
+def _negative_learning_rate(opt, a, b, c):
+    opt.param_groups[0]["lr"] = -1.0
+
+
+def _gradients_in_place(opt, a, b, c):
+    """The step's gradients were written into last step's (see the test's loop)."""
+
+
+# (change, whether the step may reuse the last one's arguments, the error it must raise).
+# (change, whether the step may reuse the last one's arguments, the error it must raise, and
+# what undoes the change after it). Each error follows a step that succeeded, so that there
+# is a cache to see past; a step that raised leaves none.
+_CHANGES = [
+    (None, False, None, None),  # the first step
+    (None, True, None, None),
+    (_gradients_in_place, True, None, None),
+    (_new_learning_rate, True, None, None),
+    (_swap_in_new_data, False, None, None),
+    (_replace_a_momentum, False, None, None),
+    (_move_a_momentum, False, None, None),
+    (_drop_b_gradient, False, None, None),
+    (None, False, None, None),  # b has its gradient again
+    (_reload_the_state, False, None, None),
+    (None, True, None, None),
+    (_transpose_b_in_place, False, (ValueError, "is not contiguous"), _transpose_b_in_place),
+    (None, False, None, None),
+    (_transpose_a_in_place, False, (ValueError, "its gradient has shape"), _transpose_a_in_place),
+    (None, False, None, None),
+    (_transpose_a_gradient_in_place, False, (ValueError, "its gradient has shape"), None),
+    (None, False, None, None),
+    (_a_as_float16, False, (TypeError, "takes float32 or bfloat16 parameters"), _a_as_bfloat16),
+    (None, False, None, None),
+    (_a_gradient_as_float16, False, (TypeError, "its gradient is torch.float16"), None),
+    (None, False, None, None),
+    (_noncontiguous_gradient, False, (ValueError, "gradient is not a contiguous dense tensor"), None),
+    (None, False, None, None),
+    (_sparse_gradient, False, (ValueError, "gradient is not a contiguous dense tensor"), None),
+    (None, False, None, None),
+    (_bad_partition_dim, False, (ValueError, "partition_dim must be 0, 1, -1"), _good_partition_dim),
+    (None, False, None, None),
+    (_momentum_view_of_another_shape, False, (ValueError, "momentum_buffer must be a contiguous"),
+     _momentum_view_of_its_shape),
+    (None, False, None, None),
+    (_negative_learning_rate, False, (ValueError, "invalid learning rate: -1"), _new_learning_rate),
+    (None, False, None, None),
+    (_add_a_parameter, False, None, None),
+    (None, True, None, None),
+]
+
+
+def test_a_step_reuses_the_last_steps_arguments_only_while_they_still_hold():
+    """A step of the same parameters reuses the C arrays the last step built (see
+    shardmuon.torch._StepCache); each change above must be seen. Two optimizers take the
+    same steps and changes: one may reuse, the other goes the full way every time. They must
+    raise the same errors and end bitwise equal; the first must have skipped the full checks
+    exactly where nothing but the gradients and group values changed."""
+    generator = torch.Generator().manual_seed(11)
+    shapes = [(6, 4), (5, 5), (3, 7)]
+    start = [torch.randn(*shape, generator=generator).bfloat16() for shape in shapes]
+    gradients = [[torch.randn(*shape, generator=generator).bfloat16() for shape in shapes]
+                 for _ in range(len(_CHANGES) + 1)]
+    runs = []
+    for reuse in (True, False):
+        a, b, c = (torch.nn.Parameter(w.clone()) for w in start)
+        optimizer = st.Muon([{"params": [a]}, {"params": [b], "lr": 0.03}], lr=0.02, momentum=0.9)
+        full_checks = []
+        collect = optimizer._collect
+
+        def counted(collect=collect, full_checks=full_checks):
+            full_checks.append(True)
+            return collect()
+
+        optimizer._collect = counted
+        if not reuse:
+            optimizer._last_calls_again = lambda: None
+        runs.append((optimizer, a, b, c, full_checks))
+    for step, (change, reused, error, undo) in enumerate(_CHANGES):
+        for optimizer, a, b, c, full_checks in runs:
+            for p, g in zip((a, b, c), gradients[step]):
+                if change is _gradients_in_place:
+                    p.grad.copy_(g)
+                else:
+                    p.grad = g.clone()
+            if change is not None:
+                change(optimizer, a, b, c)
+            before = [p.detach().clone() for p in (a, b, c)]
+            checked = len(full_checks)
+            if error is None:
+                optimizer.step()
+            else:
+                with pytest.raises(error[0], match=error[1]):
+                    optimizer.step()
+                assert all(torch.equal(p.detach(), w) for p, w in zip((a, b, c), before))
+                if undo is not None:
+                    undo(optimizer, a, b, c)
+            if optimizer is runs[0][0]:
+                assert (len(full_checks) == checked) == reused, f"step {step}: {change}"
+    (first, *mine), (second, *theirs) = runs[0][:4], runs[1][:4]
+    for p, q in zip(mine, theirs):
+        assert torch.equal(p.detach(), q.detach())
+        assert torch.equal(first.state[p]["momentum_buffer"], second.state[q]["momentum_buffer"])
+    assert not torch.equal(mine[2].detach(), start[2])  # c, added late, was stepped
+
+
 def test_lr_scheduler_drives_the_learning_rate():
     a, _, grads = make_model_and_grads()
     manual = torch.nn.Parameter(a.detach().clone())
