@@ -170,6 +170,8 @@ _signatures = {
     "shardmuon_muon_group_default": (_c_status, [ctypes.POINTER(MuonGroup)]),
     "shardmuon_context_create": (_c_status, [ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_void_p)]),
     "shardmuon_context_destroy": (_c_status, [ctypes.c_void_p]),
+    "shardmuon_context_set_ns_batch_bytes": (_c_status, [ctypes.c_void_p, ctypes.c_size_t]),
+    "shardmuon_context_workspace_bytes": (_c_status, [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t)]),
     "shardmuon_comm_create_self": (_c_status, [ctypes.POINTER(ctypes.c_void_p)]),
     "shardmuon_comm_create_nccl": (_c_status, [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)]),
     "shardmuon_comm_create_callbacks": (

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import sys
 import traceback
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -19,7 +20,7 @@ from . import _capi as c
 
 
 class Context:
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, ns_batch_bytes: Optional[int] = None):
         self.device = device
         handle = ctypes.c_void_p()
         if device.type == "cuda":
@@ -27,6 +28,8 @@ class Context:
         else:
             c.check(c.lib.shardmuon_context_create(c.BACKEND_CPU, 0, ctypes.byref(handle)))
         self.handle = handle
+        if ns_batch_bytes is not None:
+            c.check(c.lib.shardmuon_context_set_ns_batch_bytes(handle, ns_batch_bytes))
 
     def __del__(self):
         if getattr(self, "handle", None):
@@ -198,13 +201,14 @@ class Runtimes:
     """The handles of an optimizer or NewtonSchulz, made on first use: one context (and its
     workspace) per device, one communicator per device and process group."""
 
-    def __init__(self):
+    def __init__(self, ns_batch_bytes: Optional[int] = None):
+        self._ns_batch_bytes = ns_batch_bytes  # the contexts' (None: the library's default)
         self._contexts = {}
         self._comms = {}
 
     def get(self, device: torch.device, group):
         if device not in self._contexts:
-            self._contexts[device] = Context(device)
+            self._contexts[device] = Context(device, self._ns_batch_bytes)
         if (device, group) not in self._comms:
             self._comms[(device, group)] = Communicator(group, device)
         return self._contexts[device], self._comms[(device, group)]

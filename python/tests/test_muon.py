@@ -1,6 +1,7 @@
 """shardmuon.torch.Muon on one process (CPU) against the float64 reference step."""
 
 import copy
+import ctypes
 import gc
 import io
 import itertools
@@ -354,6 +355,33 @@ def test_a_step_reuses_the_last_steps_arguments_only_while_they_still_hold():
         assert torch.equal(p.detach(), q.detach())
         assert torch.equal(first.state[p]["momentum_buffer"], second.state[q]["momentum_buffer"])
     assert not torch.equal(mine[2].detach(), start[2])  # c, added late, was stepped
+
+
+def test_ns_batch_bytes_sizes_the_batches_and_is_checked():
+    """Same-shaped matrices run as strided batches within ns_batch_bytes of workspace: with
+    none, one at a time, the workspace smaller and the results the same."""
+    generator = torch.Generator().manual_seed(12)
+    start = [torch.randn(24, 16, generator=generator) for _ in range(6)]
+    gradients = [[torch.randn(24, 16, generator=generator) for _ in range(6)] for _ in range(2)]
+    workspace, weights = {}, {}
+    for budget in (0, 256 << 20):
+        params = [torch.nn.Parameter(w.clone()) for w in start]
+        optimizer = st.Muon(params, lr=0.02, ns_batch_bytes=budget)
+        for step in range(2):
+            for p, g in zip(params, gradients[step]):
+                p.grad = g.clone()
+            optimizer.step()
+        context, _ = optimizer._runtimes.get(torch.device("cpu"), optimizer.process_group)
+        held = ctypes.c_size_t()
+        shardmuon._capi.check(shardmuon._capi.lib.shardmuon_context_workspace_bytes(context.handle,
+                                                                                    ctypes.byref(held)))
+        workspace[budget], weights[budget] = held.value, [p.detach() for p in params]
+    assert workspace[0] < workspace[256 << 20]
+    for one, batched in zip(weights[0], weights[256 << 20]):
+        assert reference.relative_error(one, batched) < 1e-6
+    for bad in (-1, 1.5, True, "1GiB"):
+        with pytest.raises(ValueError, match="ns_batch_bytes must be a non-negative int"):
+            st.Muon(start, ns_batch_bytes=bad)
 
 
 def test_lr_scheduler_drives_the_learning_rate():

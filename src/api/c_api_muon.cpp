@@ -84,19 +84,21 @@ shardmuon_status shardmuon_muon_step(shardmuon_context_t context, shardmuon_comm
       // The workspace grows before the ranks agree, so running out of memory is reported to
       // every rank instead of stranding the others in a collective.
       scope.emplace(*backend, stream);
-      backend->workspace(shardmuon::muon_step_workspace_bytes(
-                             *backend, step, group.rank(), group.size(), context->nonfinite_policy),
+      backend->workspace(shardmuon::muon_step_workspace_bytes(*backend, step, group.rank(),
+                                                              group.size(), context->settings),
                          stream);
     });
-    // The digest the ranks agree on covers the non-finite policy too: it decides the step's
-    // collectives.
-    const uint64_t digest =
-        shardmuon::Digest{}.add(step.digest).add(context->nonfinite_policy).value();
+    // The digest the ranks agree on covers the context's settings too (see StepSettings).
+    const uint64_t digest = shardmuon::Digest{}
+                                .add(step.digest)
+                                .add(context->settings.nonfinite_policy)
+                                .add(context->settings.ns_batch_bytes)
+                                .value();
     if (backend != nullptr && backend->is_capturing(stream)) {
       // Captured into a CUDA graph: nothing may wait on the host, so the ranks cannot compare
       // arguments now. They did at the last uncaptured step; the captured one must repeat it.
       if (local_error != nullptr) std::rethrow_exception(local_error);
-      SHARDMUON_CHECK_ARG(context->nonfinite_policy != SHARDMUON_NONFINITE_RAISE,
+      SHARDMUON_CHECK_ARG(context->settings.nonfinite_policy != SHARDMUON_NONFINITE_RAISE,
                           "the stream is being captured into a CUDA graph, and the non-finite "
                           "policy RAISE waits on the host for the step's flags; use SKIP or "
                           "PROCEED for a captured step");
@@ -108,12 +110,12 @@ shardmuon_status shardmuon_muon_step(shardmuon_context_t context, shardmuon_comm
                           "captured values), on this communicator. This step: ",
                           step.description);
       backend->pin_workspace();  // the graph will hold its address
-      shardmuon::run_muon_step(*backend, group, step, stream, context->nonfinite_policy);
+      shardmuon::run_muon_step(*backend, group, step, stream, context->settings);
       return;
     }
     shardmuon::agree_across_ranks(group, local_error, digest, step.description);
     group.remember_agreed_step(digest);
-    shardmuon::run_muon_step(*backend, group, step, stream, context->nonfinite_policy);
+    shardmuon::run_muon_step(*backend, group, step, stream, context->settings);
   });
 }
 
@@ -148,7 +150,14 @@ shardmuon_status shardmuon_context_set_nonfinite_policy(shardmuon_context_t cont
     shardmuon::backend_of(context, "context");
     SHARDMUON_CHECK_ARG(policy >= SHARDMUON_NONFINITE_SKIP && policy <= SHARDMUON_NONFINITE_PROCEED,
                         "policy is unknown: ", static_cast<int>(policy));
-    context->nonfinite_policy = policy;
+    context->settings.nonfinite_policy = policy;
+  });
+}
+
+shardmuon_status shardmuon_context_set_ns_batch_bytes(shardmuon_context_t context, size_t bytes) {
+  return api_guard(__func__, [&] {
+    shardmuon::backend_of(context, "context");
+    context->settings.ns_batch_bytes = bytes;
   });
 }
 

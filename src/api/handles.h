@@ -7,12 +7,13 @@
 
 #include "comm/communicator.h"
 #include "core/backend.h"
+#include "core/muon_step.h"
 
 struct shardmuon_context_s {
   static constexpr uint64_t kTag = 0x73686d75'63747821ull;
   uint64_t tag = kTag;
   std::unique_ptr<shardmuon::Backend> backend;
-  shardmuon_nonfinite_policy nonfinite_policy = SHARDMUON_NONFINITE_SKIP;
+  shardmuon::StepSettings settings;  // how its steps run (shardmuon_context_set_*)
 };
 
 struct shardmuon_comm_s {

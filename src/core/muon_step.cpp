@@ -537,16 +537,15 @@ size_t exchanged_bytes(const OwnedMatrix& m, int rank) {
 // Newton-Schulz batches (NsProblem::batch): consecutive matrices with the same problem on one
 // rank that lie one after another in memory run as one strided batch, so that thousands of
 // small matrices (experts) cost a few launches per product instead of a few per matrix. A
-// batch holds at most as many as fit kBatchScratchBytes of scratch (large matrices run one
-// at a time: batching them saves nothing).
-constexpr size_t kBatchScratchBytes = size_t{256} << 20;
+// batch holds at most as many as fit `batch_bytes` of scratch (StepSettings::ns_batch_bytes;
+// large matrices run one at a time: batching them saves nothing).
 
 // The largest batch of `one` (1 unless its plan is local), under ns_batch_cap().
-int64_t batch_limit(const Backend& backend, const NsProblem& one) {
+int64_t batch_limit(const Backend& backend, const NsProblem& one, size_t batch_bytes) {
   if (one.plan.algorithm != NsPlan::Algorithm::kLocal) return 1;
   const int64_t cap = ns_batch_cap();
   const size_t bytes = std::max<size_t>(1, newton_schulz_workspace_bytes(backend, one, 0, 1));
-  return std::clamp<int64_t>(static_cast<int64_t>(kBatchScratchBytes / bytes), 1, cap);
+  return static_cast<int64_t>(std::clamp<size_t>(batch_bytes / bytes, 1, static_cast<size_t>(cap)));
 }
 
 NsProblem batch_of(NsProblem one, int64_t count) {
@@ -559,10 +558,10 @@ NsProblem batch_of(NsProblem one, int64_t count) {
 // problem, lies right after the one before, and the batch is below its limit.
 template <typename ProblemOf, typename DataOf>
 void run_in_batches(Backend& backend, Communicator& comm, size_t count, ProblemOf problem_of,
-                    DataOf data_of, Stream stream, size_t workspace_offset) {
+                    DataOf data_of, size_t batch_bytes, Stream stream, size_t workspace_offset) {
   for (size_t first = 0; first < count;) {
     const NsProblem& problem = problem_of(first);
-    const int64_t limit = batch_limit(backend, problem);
+    const int64_t limit = batch_limit(backend, problem, batch_bytes);
     const size_t bytes = static_cast<size_t>(problem.layout.rows() * problem.layout.cols()) *
                          element_size(problem.dtype);
     size_t end = first + 1;
@@ -579,9 +578,9 @@ void run_in_batches(Backend& backend, Communicator& comm, size_t count, ProblemO
 
 // The scratch a batch of `one` may need when `available` such matrices could join it: the
 // most matrices a batch of it can have (the scratch grows with the batch).
-size_t batch_scratch_bytes(const Backend& backend, const NsProblem& one, size_t available, int rank,
-                           int ranks) {
-  const int64_t count = std::min<int64_t>(batch_limit(backend, one),
+size_t batch_scratch_bytes(const Backend& backend, const NsProblem& one, size_t available,
+                           size_t batch_bytes, int rank, int ranks) {
+  const int64_t count = std::min<int64_t>(batch_limit(backend, one, batch_bytes),
                                           static_cast<int64_t>(std::max<size_t>(1, available)));
   return newton_schulz_workspace_bytes(backend, batch_of(one, count), rank, ranks);
 }
@@ -639,7 +638,9 @@ struct StepLayout {
   size_t scratch = 0, total = 0;
 
   static StepLayout of(const Backend& backend, const ValidatedMuonStep& step, int rank, int ranks,
-                       bool checked) {
+                       const StepSettings& settings) {
+    const bool checked = settings.nonfinite_policy != SHARDMUON_NONFINITE_PROCEED;
+    const size_t batch_bytes = settings.ns_batch_bytes;
     const size_t n = step.plans.size(), owned = step.owned.size();
     StepLayout layout;
     size_t offset = 0;
@@ -681,7 +682,7 @@ struct StepLayout {
       }
       scratch = std::max(
           scratch, batch_scratch_bytes(backend, matrix_problem(step.plans[alone[group.front()]]),
-                                       matrices, rank, ranks));
+                                       matrices, batch_bytes, rank, ranks));
     }
 
     layout.sent.assign(owned, 0);
@@ -721,7 +722,8 @@ struct StepLayout {
       if (m.owner != rank) continue;
       layout.matrix[k] = take(whole_bytes(m.whole));
       if (sized == nullptr || !batchable_together(*sized, m.whole)) {
-        scratch = std::max(scratch, batch_scratch_bytes(backend, m.whole, owned_here, 0, 1));
+        scratch =
+            std::max(scratch, batch_scratch_bytes(backend, m.whole, owned_here, batch_bytes, 0, 1));
         sized = &m.whole;
       }
     }
@@ -738,8 +740,8 @@ struct StepLayout {
       const NsProblem* block_sized = nullptr;
       for (const MuonParamPlan::RowBlock& block : plan.row_blocks) {
         if (block_sized != nullptr && batchable_together(*block_sized, block.ns)) continue;
-        scratch = std::max(
-            scratch, batch_scratch_bytes(backend, block.ns, plan.row_blocks.size(), rank, ranks));
+        scratch = std::max(scratch, batch_scratch_bytes(backend, block.ns, plan.row_blocks.size(),
+                                                        batch_bytes, rank, ranks));
         block_sized = &block.ns;
       }
     }
@@ -788,7 +790,7 @@ void copy_bytes(Backend& backend, void* dst, const void* src, size_t bytes, Stre
 constexpr size_t kOwnerRounds = 8;
 
 void run_owner_batch(Backend& backend, Communicator& comm, const ValidatedMuonStep& step,
-                     const StepLayout& layout, char* base, Stream stream) {
+                     const StepLayout& layout, size_t batch_bytes, char* base, Stream stream) {
   const int rank = comm.rank(), ranks = comm.size();
   std::vector<std::vector<size_t>> owned_by(ranks);
   for (size_t k = 0; k < step.owned.size(); ++k) owned_by[step.owned[k].owner].push_back(k);
@@ -879,8 +881,8 @@ void run_owner_batch(Backend& backend, Communicator& comm, const ValidatedMuonSt
     run_in_batches(
         backend, comm, last - first,
         [&](size_t i) -> const NsProblem& { return step.owned[owned_by[rank][first + i]].whole; },
-        [&](size_t i) -> void* { return base + layout.matrix[owned_by[rank][first + i]]; }, stream,
-        layout.scratch);
+        [&](size_t i) -> void* { return base + layout.matrix[owned_by[rank][first + i]]; },
+        batch_bytes, stream, layout.scratch);
     for (size_t i = first; i < last; ++i) move_matrix(owned_by[rank][i], false);
     // The next round's pieces, which the next round's products wait for (and, with them, for
     // the results of the round before this one, sent back meanwhile).
@@ -910,8 +912,8 @@ void run_owner_batch(Backend& backend, Communicator& comm, const ValidatedMuonSt
 }  // namespace
 
 size_t muon_step_workspace_bytes(const Backend& backend, const ValidatedMuonStep& step, int rank,
-                                 int ranks, shardmuon_nonfinite_policy policy) {
-  return StepLayout::of(backend, step, rank, ranks, policy != SHARDMUON_NONFINITE_PROCEED).total;
+                                 int ranks, const StepSettings& settings) {
+  return StepLayout::of(backend, step, rank, ranks, settings).total;
 }
 
 // The step: momentum passes into update buffers, the Newton-Schulz of every update (the
@@ -922,10 +924,10 @@ size_t muon_step_workspace_bytes(const Backend& backend, const ValidatedMuonStep
 // parameter (summed over the ranks, so that a sharded parameter is skipped everywhere or
 // nowhere).
 void run_muon_step(Backend& backend, Communicator& comm, const ValidatedMuonStep& step,
-                   Stream stream, shardmuon_nonfinite_policy policy) {
-  const bool checked = policy != SHARDMUON_NONFINITE_PROCEED;
+                   Stream stream, const StepSettings& settings) {
+  const bool checked = settings.nonfinite_policy != SHARDMUON_NONFINITE_PROCEED;
   const int rank = comm.rank();
-  const StepLayout layout = StepLayout::of(backend, step, rank, comm.size(), checked);
+  const StepLayout layout = StepLayout::of(backend, step, rank, comm.size(), settings);
   // Grown once up front: a later, larger request would move the buffer under the updates.
   char* base = static_cast<char*>(backend.workspace(layout.total, stream));
   const size_t count_of_flags = 1 + step.plans.size();
@@ -945,7 +947,9 @@ void run_muon_step(Backend& backend, Communicator& comm, const ValidatedMuonStep
                          checked ? base + layout.new_momentum[i] : nullptr, flags));
   }
   backend.momentum_passes(momentum_passes, stream);
-  if (!step.owned.empty()) run_owner_batch(backend, comm, step, layout, base, stream);
+  if (!step.owned.empty()) {
+    run_owner_batch(backend, comm, step, layout, settings.ns_batch_bytes, base, stream);
+  }
   // The matrices of the parameters run alone, in the order of their update buffers.
   std::vector<std::pair<const NsProblem*, char*>> alone;
   for (size_t i : layout.alone) {
@@ -958,7 +962,8 @@ void run_muon_step(Backend& backend, Communicator& comm, const ValidatedMuonStep
   }
   run_in_batches(
       backend, comm, alone.size(), [&](size_t k) -> const NsProblem& { return *alone[k].first; },
-      [&](size_t k) -> void* { return alone[k].second; }, stream, layout.scratch);
+      [&](size_t k) -> void* { return alone[k].second; }, settings.ns_batch_bytes, stream,
+      layout.scratch);
   for (size_t i = 0; i < step.plans.size(); ++i) {
     const MuonParamPlan& plan = step.plans[i];
     if (!plan.has_grad || plan.owned || runs_alone(plan)) continue;
@@ -973,8 +978,8 @@ void run_muon_step(Backend& backend, Communicator& comm, const ValidatedMuonStep
     const std::vector<MuonParamPlan::RowBlock>& blocks = plan.row_blocks;
     run_in_batches(
         backend, comm, blocks.size(), [&](size_t b) -> const NsProblem& { return blocks[b].ns; },
-        [&](size_t b) -> void* { return update + blocks[b].offset * element; }, stream,
-        layout.scratch);
+        [&](size_t b) -> void* { return update + blocks[b].offset * element; },
+        settings.ns_batch_bytes, stream, layout.scratch);
   }
 
   if (!checked) {
@@ -1031,7 +1036,7 @@ void run_muon_step(Backend& backend, Communicator& comm, const ValidatedMuonStep
   backend.commit_passes(commits, stream);
   backend.count_if_flagged(flags, skipped_steps, stream);
 
-  if (policy != SHARDMUON_NONFINITE_RAISE) return;
+  if (settings.nonfinite_policy != SHARDMUON_NONFINITE_RAISE) return;
   std::vector<float> host(count_of_flags);
   backend.copy_to_host(host.data(), flags, host.size() * sizeof(float), stream);
   backend.synchronize(stream);

@@ -56,6 +56,20 @@ struct ValidatedMuonStep {
   std::string description;
 };
 
+// A context's default for StepSettings::ns_batch_bytes (256 MiB).
+constexpr size_t kDefaultNsBatchBytes = SHARDMUON_DEFAULT_NS_BATCH_BYTES;
+
+// How a context runs its steps (shardmuon_context_set_nonfinite_policy and
+// shardmuon_context_set_ns_batch_bytes). Both enter the digest the ranks agree on: the policy
+// decides the step's collectives, and the batches decide the kernels of replicated matrices,
+// which every rank must run alike to get the same bits.
+struct StepSettings {
+  shardmuon_nonfinite_policy nonfinite_policy = SHARDMUON_NONFINITE_SKIP;
+  // The most scratch one strided batch of Newton-Schulz may take: a batch holds as many
+  // matrices of one problem as fit in it, and at least one.
+  size_t ns_batch_bytes = kDefaultNsBatchBytes;
+};
+
 // The scale of the orthogonalized update for a logical rows x cols matrix.
 double muon_update_scale(shardmuon_scale_mode mode, int64_t rows, int64_t cols);
 
@@ -82,7 +96,7 @@ void plan_owners(ValidatedMuonStep& step, int ranks);
 // checked policies, its new momentum and the flags), the owner's staging and whole matrices,
 // and the largest Newton-Schulz scratch.
 size_t muon_step_workspace_bytes(const Backend& backend, const ValidatedMuonStep& step, int rank,
-                                 int ranks, shardmuon_nonfinite_policy policy);
+                                 int ranks, const StepSettings& settings);
 
 // Where the backend's persistent status keeps the non-finite counters (int64 each).
 constexpr size_t kSkippedStepsOffset = 0;
@@ -92,6 +106,6 @@ constexpr size_t kSkippedParamsOffset = 8;
 // non-finite update skips its parameter (nothing of them is written); RAISE then throws
 // NON_FINITE naming them, after waiting for the stream.
 void run_muon_step(Backend& backend, Communicator& comm, const ValidatedMuonStep& step,
-                   Stream stream, shardmuon_nonfinite_policy policy);
+                   Stream stream, const StepSettings& settings);
 
 }  // namespace shardmuon

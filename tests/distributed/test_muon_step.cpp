@@ -1168,6 +1168,20 @@ TEST_F(MuonStepBadInput, RanksThatDisagreeAllFail) {
       EXPECT_EQ(status, SHARDMUON_ERROR_RANK_MISMATCH) << "another batch cap: " << error;
       EXPECT_TRUE(call.untouched()) << "another batch cap";
     }
+    // Another batch budget on one rank (shardmuon_context_set_ns_batch_bytes), likewise.
+    {
+      shardmuon_context_t context = Harness::get().context();
+      StepCall call(group);
+      if (group.rank == p - 1) {
+        ASSERT_EQ(shardmuon_context_set_ns_batch_bytes(context, 0), SHARDMUON_SUCCESS);
+      }
+      const shardmuon_status status = call.call(group);
+      const std::string error = shardmuon_last_error();
+      ASSERT_EQ(shardmuon_context_set_ns_batch_bytes(context, SHARDMUON_DEFAULT_NS_BATCH_BYTES),
+                SHARDMUON_SUCCESS);
+      EXPECT_EQ(status, SHARDMUON_ERROR_RANK_MISMATCH) << "another batch budget: " << error;
+      EXPECT_TRUE(call.untouched()) << "another batch budget";
+    }
     // A rank with a bad argument: PEER_FAILED elsewhere.
     StepCall call(group);
     if (group.rank == 0) call.api[0].param = nullptr;

@@ -6,6 +6,7 @@
 // tests that compare results (MuonStepBatches) would not notice.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
@@ -128,10 +129,12 @@ class CountingBackend final : public Backend {
 // QKV split by head (6 heads of 16 x 48) (replicated on one rank, float32).
 struct Counts {
   int64_t gemm_calls, products, largest_batch, pass_calls, passes;
+  size_t workspace;                // muon_step_workspace_bytes
+  size_t smallest_matrix_scratch;  // of one matrix's Newton-Schulz, the least of its problems
 };
 
 Counts count_step(int layers, shardmuon_ns_algorithm algorithm, shardmuon_nonfinite_policy policy,
-                  bool stacked = false) {
+                  bool stacked = false, size_t ns_batch_bytes = kDefaultNsBatchBytes) {
   struct Shape {
     int64_t rows, cols, row_blocks;
   };
@@ -167,9 +170,20 @@ Counts count_step(int layers, shardmuon_ns_algorithm algorithm, shardmuon_nonfin
   const std::unique_ptr<Communicator> comm = make_self_communicator();
   const ValidatedMuonStep step =
       validate_muon_step(backend, *comm, params.data(), static_cast<int>(params.size()), &group, 1);
-  run_muon_step(backend, *comm, step, nullptr, policy);
-  return {backend.gemm_calls, backend.products, backend.largest_batch, backend.pass_calls,
-          backend.passes};
+  const StepSettings settings{policy, ns_batch_bytes};
+  size_t smallest = SIZE_MAX;
+  for (const MuonParamPlan& plan : step.plans) {
+    smallest = std::min(smallest, newton_schulz_workspace_bytes(backend, plan.ns, 0, 1));
+  }
+  const size_t workspace = muon_step_workspace_bytes(backend, step, 0, 1, settings);
+  run_muon_step(backend, *comm, step, nullptr, settings);
+  return {backend.gemm_calls,
+          backend.products,
+          backend.largest_batch,
+          backend.pass_calls,
+          backend.passes,
+          workspace,
+          smallest};
 }
 
 // $SHARDMUON_MAX_NS_BATCH set for the test's scope.
@@ -221,6 +235,28 @@ TEST_P(StepLaunches, BatchesOfOneMakeACallPerMatrix) {
   EXPECT_EQ(four.gemm_calls, 4 * one.gemm_calls);
   EXPECT_EQ(four.products, 4 * one.products);
   EXPECT_EQ(four.largest_batch, 1);
+}
+
+// The context's batch budget (shardmuon_context_set_ns_batch_bytes) sizes the batches and the
+// workspace: none runs every matrix by itself; twice the least scratch of one matrix allows
+// batches of two at most (of the problems whose matrices need that least).
+TEST_P(StepLaunches, TheBatchBudgetSizesTheBatchesAndTheWorkspace) {
+  const auto [algorithm, policy] = GetParam();
+  const Counts whole = count_step(4, algorithm, policy);
+  const Counts none = count_step(4, algorithm, policy, false, 0);
+  const Counts pairs = count_step(4, algorithm, policy, false, 2 * whole.smallest_matrix_scratch);
+  const BatchCap cap("1");
+  const Counts one_by_one = count_step(4, algorithm, policy);
+  EXPECT_EQ(none.gemm_calls, one_by_one.gemm_calls);
+  EXPECT_EQ(none.largest_batch, 1);
+  EXPECT_EQ(pairs.largest_batch, 2);
+  EXPECT_LT(whole.gemm_calls, pairs.gemm_calls);
+  EXPECT_LT(pairs.gemm_calls, none.gemm_calls);
+  EXPECT_EQ(none.products, whole.products);
+  EXPECT_EQ(pairs.products, whole.products);
+  // The largest problem's scratch sizes the workspace: one matrix of it in both of these.
+  EXPECT_LE(none.workspace, pairs.workspace);
+  EXPECT_LT(pairs.workspace, whole.workspace);
 }
 
 INSTANTIATE_TEST_SUITE_P(
