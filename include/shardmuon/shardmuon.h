@@ -235,10 +235,11 @@ SHARDMUON_API shardmuon_status shardmuon_context_set_nonfinite_policy(
  * SHARDMUON_DEFAULT_NS_BATCH_BYTES, 256 MiB).
  * The matrices of one shape and plan that a rank orthogonalizes by itself (a model's layers
  * of one shape, experts, heads) run as strided batches of as many matrices as fit in it, at
- * least one. Larger batches launch fewer, larger products: on an H200, 1 GiB made the steps
- * of GPT-2 medium and XL 2-3% faster (docs/BENCHMARKS.md) for up to 768 MiB more workspace; 0 runs
- * every matrix by itself. Every rank of a step must use the same value (it enters the
- * arguments the ranks compare: replicated matrices must get the same kernels everywhere). */
+ * least one. Larger batches launch fewer, larger products: on an H200, 1 GiB made the
+ * captured steps of GPT-2 medium and XL 1-3% faster and XL's eager step 4%
+ * (docs/BENCHMARKS.md), for up to 768 MiB more workspace; 0 runs every matrix by itself.
+ * Every rank of a step must use the same value (it enters the arguments the ranks compare:
+ * replicated matrices must get the same kernels everywhere). */
 SHARDMUON_API shardmuon_status shardmuon_context_set_ns_batch_bytes(shardmuon_context_t context,
                                                                     size_t bytes);
 
