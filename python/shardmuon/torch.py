@@ -128,7 +128,7 @@ class _StepCache(NamedTuple):
     parameters take their split from placements, and some are redistributed: their step
     builds everything again)."""
 
-    groups: List[Tuple[int, int, Any]]  # (index, parameter count, partition_dim) of each Muon group
+    groups: List[Tuple[int, int, Any]]  # _membership of the Muon groups
     # Per parameter, in the order of the groups: (weak reference to it, its C struct, data_ptr,
     # shape, dtype, device index, attributes, weak reference to its momentum buffer or None
     # when it had no gradient, the buffer's data_ptr). Weak references: a cache must not keep
@@ -141,6 +141,16 @@ def _sharding_attributes(param) -> tuple:
     """The attributes by which a plain tensor says how it is split (see _entry)."""
     return (getattr(param, "partition_dim", None), getattr(param, "tensor_model_parallel", None),
             getattr(param, "muon_row_blocks", None), getattr(param, "muon_shape", None))
+
+
+def _membership(muon_groups) -> List[Tuple[int, int, Any]]:
+    """What a _StepCache keeps of the Muon groups: (index, parameter count, partition_dim)."""
+    return [(index, len(group["params"]), group["partition_dim"]) for index, group in muon_groups]
+
+
+def _stream_of(device: torch.device):
+    """The library call's stream: the current CUDA stream's handle, or None on the CPU."""
+    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
 
 
 def _split_names(params):
@@ -393,7 +403,7 @@ class Muon(torch.optim.Optimizer):
         context, comm = self._runtimes.get(device, process_group)
         group = c.MuonGroup()
         c.check(c.lib.shardmuon_muon_group_default(ctypes.byref(group)))
-        stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+        stream = _stream_of(device)
         c.lib.shardmuon_muon_step(context.handle, comm.handle, None, -1, ctypes.byref(group), 1, stream)
         comm.clear_callback_error()
 
@@ -699,7 +709,7 @@ class Muon(torch.optim.Optimizer):
         reused = self._last_calls_again()
         if reused is not None:
             device, calls = reused
-            stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+            stream = _stream_of(device)
             for context, comm, params, count, groups, _ in calls:
                 self._call_step(context, comm, params, count, groups, stream)
             return
@@ -708,7 +718,7 @@ class Muon(torch.optim.Optimizer):
         if not entries:
             return
         device = self._device(entries)
-        stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+        stream = _stream_of(device)
         # One call per process group (DTensor parameters may live on several mesh dimensions);
         # a non-finite gradient skips the parameters of its own call. The calls' arguments are
         # built and checked before the first call, so that an error found here steps none;
@@ -742,8 +752,7 @@ class Muon(torch.optim.Optimizer):
                               None if momentum is None else weakref.ref(momentum),
                               None if momentum is None else momentum.data_ptr()))
             calls.append((context, comm, params, len(bucket), sorted({e["group"] for e in bucket}), keepalive))
-        groups = [(index, len(group["params"]), group["partition_dim"]) for index, group in self._muon_groups()]
-        return _StepCache(groups, slots, calls)
+        return _StepCache(_membership(self._muon_groups()), slots, calls)
 
     def _last_calls_again(self):
         """(device, [(context, comm, params, count, groups, keepalive)]): the last step's library calls
@@ -753,7 +762,7 @@ class Muon(torch.optim.Optimizer):
         if cache is None:
             return None
         muon_groups = self._muon_groups()
-        if [(index, len(group["params"]), group["partition_dim"]) for index, group in muon_groups] != cache.groups:
+        if _membership(muon_groups) != cache.groups:
             return None
         params = [param for _, group in muon_groups for param in group["params"]]
         gradients, state = [], self.state
