@@ -124,15 +124,17 @@ class _StepCache(NamedTuple):
     checks each parameter's address, shape, dtype, contiguity and attributes and each new
     gradient (the checks _entry makes of them), writes the gradients' addresses in, and
     rebuilds the groups' structs (their values may change at every step). Anything else found changed goes the full
-    way, whose checks then say what is wrong. Kept only for steps of plain tensors (DTensor
-    parameters take their split from placements, and some are redistributed: their step
-    builds everything again)."""
+    way, whose checks then say what is wrong. A DTensor parameter takes its split from its
+    placements, mesh and global shape, so these are checked too (and the local pieces'
+    addresses and shapes). Not kept for a step that redistributed a parameter (its copies
+    are made for each step, see _regrouped)."""
 
     groups: List[Tuple[int, int, Any]]  # _membership of the Muon groups
-    # Per parameter, in the order of the groups: (weak reference to it, its C struct, data_ptr,
-    # shape, dtype, device index, attributes, weak reference to its momentum buffer or None
-    # when it had no gradient, the buffer's data_ptr). Weak references: a cache must not keep
-    # a replaced momentum buffer alive (load_state_dict) until the next step.
+    # Per parameter, in the order of the groups: (weak reference to it, its C struct, its
+    # local piece's data_ptr and shape, dtype, device index, attributes, _placement of a
+    # DTensor or None, weak reference to its momentum buffer or None when it had no gradient,
+    # the buffer's local data_ptr). Weak references: a cache must not keep a replaced
+    # momentum buffer alive (load_state_dict) until the next step.
     slots: List[tuple]
     calls: List[tuple]  # (context, comm, C array of params, their count, group indices, keepalive)
 
@@ -141,6 +143,21 @@ def _sharding_attributes(param) -> tuple:
     """The attributes by which a plain tensor says how it is split (see _entry)."""
     return (getattr(param, "partition_dim", None), getattr(param, "tensor_model_parallel", None),
             getattr(param, "muon_row_blocks", None), getattr(param, "muon_shape", None))
+
+
+def _placement(tensor) -> Optional[tuple]:
+    """What a DTensor's split is made of, for a _StepCache: (placements, mesh, global shape);
+    None for a plain tensor."""
+    return (tensor.placements, tensor.device_mesh, tensor.shape) if is_dtensor(tensor) else None
+
+
+def _same_placement(tensor, cached, equal_mesh: bool = False) -> bool:
+    """Whether a DTensor still has the _placement cached: its mesh the same object (a
+    parameter's: the process group it is stepped over comes from it), or an equal one
+    (`equal_mesh`: a gradient's, which the full checks compare by equality)."""
+    placements, mesh, shape = cached
+    return (tensor.placements == placements and tensor.shape == shape
+            and (tensor.device_mesh is mesh or (equal_mesh and tensor.device_mesh == mesh)))
 
 
 def _membership(muon_groups) -> List[Tuple[int, int, Any]]:
@@ -731,7 +748,7 @@ class Muon(torch.optim.Optimizer):
             for write_back in write_backs:
                 write_back()
             made.append((bucket, arguments))
-        if all(not is_dtensor(e["param"]) for e in entries):
+        if all(e["regroup"] is None for e in entries):
             self._step_cache = self._remember(made)
 
     def _call_step(self, context, comm, params, count, groups, stream):
@@ -741,16 +758,16 @@ class Muon(torch.optim.Optimizer):
         c.check(status)
 
     def _remember(self, made) -> _StepCache:
-        """The cache of a step of plain tensors that the library took (see _StepCache)."""
+        """The cache of a step whose parameters the library took as they are (see _StepCache)."""
         slots, calls = [], []
         for bucket, (context, comm, params, _, keepalive) in made:
             for e, struct in zip(bucket, params):
-                param = e["param"]
+                param, local = e["param"], e["local"]
                 momentum = self.state[param]["momentum_buffer"] if e["grad"] is not None else None
-                slots.append((weakref.ref(param), struct, param.data_ptr(), param.shape, param.dtype,
-                              param.get_device(), _sharding_attributes(param),
+                slots.append((weakref.ref(param), struct, local.data_ptr(), local.shape, param.dtype,
+                              local.get_device(), _sharding_attributes(param), _placement(param),
                               None if momentum is None else weakref.ref(momentum),
-                              None if momentum is None else momentum.data_ptr()))
+                              None if momentum is None else local_tensor(momentum).data_ptr()))
             calls.append((context, comm, params, len(bucket), sorted({e["group"] for e in bucket}), keepalive))
         return _StepCache(_membership(self._muon_groups()), slots, calls)
 
@@ -767,21 +784,33 @@ class Muon(torch.optim.Optimizer):
         params = [param for _, group in muon_groups for param in group["params"]]
         gradients, state = [], self.state
         for param, slot in zip(params, cache.slots):
-            reference, struct, address, shape, dtype, device, attributes, momentum, momentum_address = slot
-            if (reference() is not param or param.data_ptr() != address or param.shape != shape
-                    or param.dtype is not dtype or not param.is_contiguous()
-                    or _sharding_attributes(param) != attributes):
+            reference, struct, address, shape, dtype, device, attributes, placement, momentum, momentum_address = slot
+            if reference() is not param:
+                return None
+            local = param
+            if placement is not None:  # a DTensor (the reference says it is the same parameter)
+                if not _same_placement(param, placement):
+                    return None
+                local = param.to_local()
+            if (local.data_ptr() != address or local.shape != shape or param.dtype is not dtype
+                    or not local.is_contiguous() or _sharding_attributes(param) != attributes):
                 return None
             grad = param.grad
             if (grad is None) != (momentum is None):
                 return None
             if grad is None:
                 continue
+            if is_dtensor(grad):
+                if placement is None or not _same_placement(grad, placement, equal_mesh=True):
+                    return None
+                grad = grad.to_local()
+            elif placement is not None:
+                return None
             if (grad.dtype is not dtype or grad.shape != shape or grad.get_device() != device or grad.is_sparse
-                    or not grad.is_contiguous() or is_dtensor(grad)):
+                    or not grad.is_contiguous()):
                 return None
             buffer = (state.get(param) or {}).get("momentum_buffer")
-            if buffer is None or buffer is not momentum() or buffer.data_ptr() != momentum_address:
+            if buffer is None or buffer is not momentum() or local_tensor(buffer).data_ptr() != momentum_address:
                 return None
             gradients.append((struct, grad.data_ptr() or None))
         calls = []

@@ -369,6 +369,150 @@ def test_state_dict_round_trip_continues_exactly():
     launch(_state_dict, 2)
 
 
+# Changes a user may make to DTensor parameters between steps, each applied alike to two
+# optimizers (see _step_reuse): (opt, a, b, c, mesh).
+def _swap_a_local_storage(opt, a, b, c, mesh):  # FSDP2 may give a shard new storage
+    a._local_tensor.data = a._local_tensor.data.clone()
+
+
+def _replace_a_momentum(opt, a, b, c, mesh):
+    opt.state[a]["momentum_buffer"] = opt.state[a]["momentum_buffer"] * 0.5
+
+
+def _move_a_momentum(opt, a, b, c, mesh):  # the same DTensor, its piece elsewhere
+    piece = opt.state[a]["momentum_buffer"]._local_tensor
+    piece.data = piece.data.clone()
+
+
+def _drop_b_gradient(opt, a, b, c, mesh):
+    b.grad = None
+
+
+def _reload_the_state(opt, a, b, c, mesh):
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+
+
+def _replicated_a_gradient(opt, a, b, c, mesh):
+    a.grad = a.grad.redistribute(mesh, [Replicate()])
+
+
+def _replicated_a_momentum(opt, a, b, c, mesh):
+    state = opt.state[a]
+    state["stashed"] = state["momentum_buffer"]
+    state["momentum_buffer"] = state["stashed"].redistribute(mesh, [Replicate()])
+
+
+def _a_momentum_back(opt, a, b, c, mesh):
+    state = opt.state[a]
+    state["momentum_buffer"] = state.pop("stashed")
+
+
+def _disagreeing_partition_dim(opt, a, b, c, mesh):
+    a.partition_dim = 1
+
+
+def _agreeing_partition_dim(opt, a, b, c, mesh):
+    a.partition_dim = 0
+
+
+def _new_learning_rate(opt, a, b, c, mesh):
+    opt.param_groups[0]["lr"] = 0.05
+
+
+def _add_c(opt, a, b, c, mesh):
+    opt.param_groups[1]["params"].append(c)
+
+
+def _gradients_in_place(opt, a, b, c, mesh):
+    """The step's gradients were written into the pieces of last step's (see _step_reuse)."""
+
+
+# (change, whether the step may reuse the last one's arguments, the error it must raise, and
+# what undoes the change after it), as in test_muon.py's test of plain tensors.
+_DTENSOR_CHANGES = [
+    (None, False, None, None),  # the first step
+    (None, True, None, None),  # new gradient DTensors of the same placements
+    (_gradients_in_place, True, None, None),
+    (_new_learning_rate, True, None, None),
+    (_swap_a_local_storage, False, None, None),
+    (_replace_a_momentum, False, None, None),
+    (_move_a_momentum, False, None, None),
+    (_drop_b_gradient, False, None, None),
+    (None, False, None, None),  # b has its gradient again
+    (_reload_the_state, False, None, None),
+    (None, True, None, None),
+    (_replicated_a_gradient, False, (ValueError, "its gradient is placements"), None),
+    (None, False, None, None),
+    (_replicated_a_momentum, False, (ValueError, "momentum_buffer must be a"), _a_momentum_back),
+    (None, False, None, None),
+    (_disagreeing_partition_dim, False, (ValueError, "partition_dim attribute is 1"), _agreeing_partition_dim),
+    (None, False, None, None),  # an agreeing attribute is a change too
+    (None, True, None, None),
+    (_add_c, False, None, None),
+    (None, True, None, None),
+]
+
+
+def _step_reuse(rank, world):
+    """A step of the same DTensor parameters reuses the C arrays the last step built; each
+    change above must be seen. Two optimizers take the same steps and changes, one never
+    reusing: the same errors, bitwise equal pieces, and full checks exactly where expected."""
+    mesh = init_device_mesh("cpu", (world,))
+    placements = [[Shard(0)], [Shard(1)], [Replicate()]]
+    shapes = [(7, 5), (6, 9), (4, 4)]
+    generator = torch.Generator().manual_seed(17)
+    start = [torch.randn(*shape, generator=generator) for shape in shapes]
+    gradients = [[torch.randn(*shape, generator=generator) for shape in shapes]
+                 for _ in range(len(_DTENSOR_CHANGES))]
+    runs = []
+    for reuse in (True, False):
+        a, b, c = (torch.nn.Parameter(distribute(w, mesh, p)) for w, p in zip(start, placements))
+        optimizer = st.Muon([{"params": [a]}, {"params": [b], "lr": 0.03}], lr=0.02, momentum=0.9)
+        full_checks = []
+        collect = optimizer._collect
+
+        def counted(collect=collect, full_checks=full_checks):
+            full_checks.append(True)
+            return collect()
+
+        optimizer._collect = counted
+        if not reuse:
+            optimizer._last_calls_again = lambda: None
+        runs.append((optimizer, a, b, c, full_checks))
+    for step, (change, reused, error, undo) in enumerate(_DTENSOR_CHANGES):
+        for optimizer, a, b, c, full_checks in runs:
+            for p, g, where in zip((a, b, c), gradients[step], placements):
+                if change is _gradients_in_place:
+                    with torch.no_grad():
+                        p.grad.to_local().copy_(distribute(g, mesh, where).to_local())
+                else:
+                    p.grad = distribute(g, mesh, where)
+            if change is not None:
+                change(optimizer, a, b, c, mesh)
+            before = [p.to_local().clone() for p in (a, b, c)]
+            checked = len(full_checks)
+            if error is None:
+                optimizer.step()
+            else:
+                with pytest.raises(error[0], match=error[1]):
+                    optimizer.step()
+                assert all(torch.equal(p.to_local(), w) for p, w in zip((a, b, c), before))
+                if undo is not None:
+                    undo(optimizer, a, b, c, mesh)
+            if optimizer is runs[0][0]:
+                assert (len(full_checks) == checked) == reused, (rank, step, change)
+    (first, *mine), (second, *theirs) = runs[0][:4], runs[1][:4]
+    for p, q in zip(mine, theirs):
+        assert torch.equal(p.to_local(), q.to_local())
+        assert torch.equal(first.state[p]["momentum_buffer"].to_local(),
+                           second.state[q]["momentum_buffer"].to_local())
+    assert not torch.equal(mine[2].to_local(), distribute(start[2], mesh, placements[2]).to_local())
+
+
+def test_a_step_of_dtensors_reuses_the_last_steps_arguments_only_while_they_still_hold():
+    launch(_step_reuse, 2)
+
+
 def _newton_schulz(rank, world):
     mesh = init_device_mesh("cpu", (world,))
     ns = st.NewtonSchulz()
