@@ -1,7 +1,7 @@
 """GPU checks of shardmuon.torch (PyTorch 2.x on the lent machine; CI has no GPU).
 
     torchrun --nproc_per_node=2 python/tests/gpu/check_torch_gpu.py   # sharded, NCCL
-    python3 python/tests/gpu/check_torch_gpu.py                       # one GPU
+    python3 python/tests/gpu/check_torch_gpu.py                       # one GPU (or torchrun with 1)
 
 On 2 GPUs: every sharding mode (rows, columns, uneven, replicated) and dtype for 3 steps with
 the learning rate changed every step, against the float64 reference on the whole matrices;
@@ -244,7 +244,10 @@ def main():
     else:
         single_gpu_checks(torch.device("cuda", 0))
         torch.cuda.set_device(0)
-        dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29533", rank=0, world_size=1)
+        if "MASTER_ADDR" in os.environ:  # torchrun's store (its agent owns it; a TCP one would wait)
+            dist.init_process_group("nccl")
+        else:
+            dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29533", rank=0, world_size=1)
         dtensor_checks(0, 1, torch.device("cuda", 0))
     ok = all(results)
     if not dist.is_initialized() or dist.get_rank() == 0:
