@@ -52,15 +52,15 @@ def parameters(mode, wholes, grads, mesh, device):
     return params
 
 
-def median_ms(optimizer, repeats, synchronize):
+def median_ms(optimizer, repeats):
     """(host, until the GPU is done) medians of step(), in ms."""
     host, done = [], []
     for _ in range(repeats):
-        synchronize()
+        torch.cuda.synchronize()
         start = time.perf_counter()
         optimizer.step()
         host.append(time.perf_counter() - start)
-        synchronize()
+        torch.cuda.synchronize()
         done.append(time.perf_counter() - start)
     return statistics.median(host) * 1e3, statistics.median(done) * 1e3
 
@@ -97,10 +97,10 @@ def main():
         optimizer = st.Muon(parameters(mode, wholes, grads, mesh, device), lr=0.02, weight_decay=0.01)
         for _ in range(4):
             optimizer.step()
-        host, done = median_ms(optimizer, args.repeats, torch.cuda.synchronize)
+        host, done = median_ms(optimizer, args.repeats)
         optimizer._call_step = lambda *arguments: None  # the front end alone from here
         optimizer.step()
-        front_end, _ = median_ms(optimizer, args.repeats, torch.cuda.synchronize)
+        front_end, _ = median_ms(optimizer, args.repeats)
         print(f"{args.label}{args.model} {mode:9s} front end {front_end:7.3f} ms "
               f"({front_end * 1e3 / len(shapes):5.1f} us a parameter), step host {host:7.3f} ms, "
               f"eager step {done:7.3f} ms", flush=True)

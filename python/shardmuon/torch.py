@@ -123,11 +123,11 @@ class _StepCache(NamedTuple):
     their attributes and momentum buffers as the last step left them reuses its C arrays: it
     checks each parameter's address, shape, dtype, contiguity and attributes and each new
     gradient (the checks _entry makes of them), writes the gradients' addresses in, and
-    rebuilds the groups' structs (their values may change at every step). Anything else found changed goes the full
-    way, whose checks then say what is wrong. A DTensor parameter takes its split from its
-    placements, mesh and global shape, so these are checked too (and the local pieces'
-    addresses and shapes). Not kept for a step that redistributed a parameter (its copies
-    are made for each step, see _regrouped)."""
+    rebuilds the groups' structs (their values may change at every step). Anything else
+    found changed goes the full way, whose checks then say what is wrong. A DTensor parameter
+    takes its split from its placements, mesh and global shape, so these are checked too (and
+    the local pieces' addresses and shapes). Not kept for a step that redistributed a
+    parameter (its copies are made for each step, see _regrouped)."""
 
     groups: List[Tuple[int, int, Any]]  # _membership of the Muon groups
     # Per parameter, in the order of the groups: (weak reference to it, its C struct, its
