@@ -5,8 +5,8 @@ dimension or both, expert parallelism, replication, fused weights) and on half o
 mesh (with and without a flattened group), every step against the float64 reference on the
 whole matrices, and plan() saying over how many ranks and under which placements; FSDP2,
 alone and with tensor parallelism, against the whole model; the placements refused with an
-error on every rank; the state dict and torch.distributed.checkpoint; and NewtonSchulz on a
-DTensor.
+error on every rank; a step reusing the last one's arguments; the state dict and
+torch.distributed.checkpoint; and NewtonSchulz on a DTensor.
 
 Needs PyTorch 2.1 or later (DTensor); Debian's PyTorch 1.13 skips this file, so these tests
 run on the lent GPU machine's PyTorch (docs/GPU_RUNS.md)."""
@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import reference
+import reuse
 import shardmuon.torch as st
 from processes import launch, shard_of, split
 from shardmuon import _dtensor
@@ -423,16 +424,16 @@ def _add_c(opt, a, b, c, mesh):
     opt.param_groups[1]["params"].append(c)
 
 
-def _gradients_in_place(opt, a, b, c, mesh):
-    """The step's gradients were written into the pieces of last step's (see _step_reuse)."""
+def _partial_c_gradient(opt, a, b, c, mesh):  # of the replicated c's local shape: refused
+    c.grad = DTensor.from_local(c.grad.to_local() / mesh.size(), mesh, [Partial()], run_check=False)
 
 
 # (change, whether the step may reuse the last one's arguments, the error it must raise, and
-# what undoes the change after it), as in test_muon.py's test of plain tensors.
+# what undoes the change after it): see reuse.check_reuse.
 _DTENSOR_CHANGES = [
     (None, False, None, None),  # the first step
     (None, True, None, None),  # new gradient DTensors of the same placements
-    (_gradients_in_place, True, None, None),
+    (reuse.gradients_in_place, True, None, None),
     (_new_learning_rate, True, None, None),
     (_swap_a_local_storage, False, None, None),
     (_replace_a_momentum, False, None, None),
@@ -450,63 +451,33 @@ _DTENSOR_CHANGES = [
     (None, True, None, None),
     (_add_c, False, None, None),
     (None, True, None, None),
+    (_partial_c_gradient, False, (ValueError, r"its gradient is .*Partial"), None),
+    (None, False, None, None),
+    (None, True, None, None),
 ]
 
 
 def _step_reuse(rank, world):
     """A step of the same DTensor parameters reuses the C arrays the last step built; each
-    change above must be seen. Two optimizers take the same steps and changes, one never
-    reusing: the same errors, bitwise equal pieces, and full checks exactly where expected."""
+    change above must be seen (see reuse.check_reuse)."""
     mesh = init_device_mesh("cpu", (world,))
     placements = [[Shard(0)], [Shard(1)], [Replicate()]]
     shapes = [(7, 5), (6, 9), (4, 4)]
     generator = torch.Generator().manual_seed(17)
     start = [torch.randn(*shape, generator=generator) for shape in shapes]
-    gradients = [[torch.randn(*shape, generator=generator) for shape in shapes]
-                 for _ in range(len(_DTENSOR_CHANGES))]
-    runs = []
-    for reuse in (True, False):
-        a, b, c = (torch.nn.Parameter(distribute(w, mesh, p)) for w, p in zip(start, placements))
-        optimizer = st.Muon([{"params": [a]}, {"params": [b], "lr": 0.03}], lr=0.02, momentum=0.9)
-        full_checks = []
-        collect = optimizer._collect
+    gradients = [[torch.randn(*shape, generator=generator) for shape in shapes] for _ in _DTENSOR_CHANGES]
 
-        def counted(collect=collect, full_checks=full_checks):
-            full_checks.append(True)
-            return collect()
+    def set_gradient(p, index, step, in_place):
+        gradient = distribute(gradients[step][index], mesh, placements[index])
+        if in_place:
+            with torch.no_grad():
+                p.grad.to_local().copy_(gradient.to_local())
+        else:
+            p.grad = gradient
 
-        optimizer._collect = counted
-        if not reuse:
-            optimizer._last_calls_again = lambda: None
-        runs.append((optimizer, a, b, c, full_checks))
-    for step, (change, reused, error, undo) in enumerate(_DTENSOR_CHANGES):
-        for optimizer, a, b, c, full_checks in runs:
-            for p, g, where in zip((a, b, c), gradients[step], placements):
-                if change is _gradients_in_place:
-                    with torch.no_grad():
-                        p.grad.to_local().copy_(distribute(g, mesh, where).to_local())
-                else:
-                    p.grad = distribute(g, mesh, where)
-            if change is not None:
-                change(optimizer, a, b, c, mesh)
-            before = [p.to_local().clone() for p in (a, b, c)]
-            checked = len(full_checks)
-            if error is None:
-                optimizer.step()
-            else:
-                with pytest.raises(error[0], match=error[1]):
-                    optimizer.step()
-                assert all(torch.equal(p.to_local(), w) for p, w in zip((a, b, c), before))
-                if undo is not None:
-                    undo(optimizer, a, b, c, mesh)
-            if optimizer is runs[0][0]:
-                assert (len(full_checks) == checked) == reused, (rank, step, change)
-    (first, *mine), (second, *theirs) = runs[0][:4], runs[1][:4]
-    for p, q in zip(mine, theirs):
-        assert torch.equal(p.to_local(), q.to_local())
-        assert torch.equal(first.state[p]["momentum_buffer"].to_local(),
-                           second.state[q]["momentum_buffer"].to_local())
-    assert not torch.equal(mine[2].to_local(), distribute(start[2], mesh, placements[2]).to_local())
+    reuse.check_reuse(_DTENSOR_CHANGES,
+                      lambda: [torch.nn.Parameter(distribute(w, mesh, p)) for w, p in zip(start, placements)],
+                      set_gradient, DTensor.to_local, context=(mesh,))
 
 
 def test_a_step_of_dtensors_reuses_the_last_steps_arguments_only_while_they_still_hold():
@@ -587,7 +558,7 @@ def test_torch_distributed_checkpoint_reshards_the_state(tmp_path):
 def _fsdp2(rank, world):
     """A model sharded by FSDP2 (fully_shard: every weight a Shard(0) DTensor over the mesh,
     gradients reduce-scattered by FSDP) trains with Muon like the whole model on the whole
-    batch."""
+    batch, its steps after the first reusing the first one's arguments."""
     try:
         from torch.distributed.fsdp import fully_shard
     except ImportError:
@@ -600,9 +571,10 @@ def _fsdp2(rank, world):
     whole_model = copy.deepcopy(model)
     fully_shard(model, mesh=mesh)
     optimizer = st.Muon(model.parameters(), lr=0.02, weight_decay=0.1)
+    full_checks = reuse.count_full_checks(optimizer)
     references = [(p.detach().clone(), torch.zeros_like(p)) for p in whole_model.parameters()]
     generator = torch.Generator().manual_seed(1)
-    for step in range(2):
+    for step in range(3):
         batches = [torch.randn(8, 13, generator=generator, dtype=torch.float64) for _ in range(world)]
         model(batches[rank]).square().mean().backward()  # FSDP averages the ranks' gradients
         optimizer.step()
@@ -614,6 +586,9 @@ def _fsdp2(rank, world):
         with torch.no_grad():  # the whole model's next forward uses the reference's weights
             for p, (w, _) in zip(whole_model.parameters(), references):
                 p.copy_(w)
+    # FSDP2 keeps each parameter's piece and gives new gradients of the same placements: the
+    # steps after the first reuse its arguments.
+    assert len(full_checks) == 1, full_checks
     for p, (w, _) in zip(model.parameters(), references):
         assert isinstance(p, DTensor) and p.placements == (Shard(0),)
         error = reference.relative_error(p.full_tensor(), w)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import reference
+import reuse
 import shardmuon
 import shardmuon.torch as st
 
@@ -257,18 +258,12 @@ def _negative_learning_rate(opt, a, b, c):
     opt.param_groups[0]["lr"] = -1.0
 
 
-def _gradients_in_place(opt, a, b, c):
-    """The step's gradients were written into last step's (see the test's loop)."""
-
-
-# (change, whether the step may reuse the last one's arguments, the error it must raise).
 # (change, whether the step may reuse the last one's arguments, the error it must raise, and
-# what undoes the change after it). Each error follows a step that succeeded, so that there
-# is a cache to see past; a step that raised leaves none.
+# what undoes the change after it): see reuse.check_reuse.
 _CHANGES = [
     (None, False, None, None),  # the first step
     (None, True, None, None),
-    (_gradients_in_place, True, None, None),
+    (reuse.gradients_in_place, True, None, None),
     (_new_learning_rate, True, None, None),
     (_swap_in_new_data, False, None, None),
     (_replace_a_momentum, False, None, None),
@@ -305,56 +300,20 @@ _CHANGES = [
 
 def test_a_step_reuses_the_last_steps_arguments_only_while_they_still_hold():
     """A step of the same parameters reuses the C arrays the last step built (see
-    shardmuon.torch._StepCache); each change above must be seen. Two optimizers take the
-    same steps and changes: one may reuse, the other goes the full way every time. They must
-    raise the same errors and end bitwise equal; the first must have skipped the full checks
-    exactly where nothing but the gradients and group values changed."""
+    shardmuon.torch._StepCache); each change above must be seen (see reuse.check_reuse)."""
     generator = torch.Generator().manual_seed(11)
     shapes = [(6, 4), (5, 5), (3, 7)]
     start = [torch.randn(*shape, generator=generator).bfloat16() for shape in shapes]
-    gradients = [[torch.randn(*shape, generator=generator).bfloat16() for shape in shapes]
-                 for _ in range(len(_CHANGES) + 1)]
-    runs = []
-    for reuse in (True, False):
-        a, b, c = (torch.nn.Parameter(w.clone()) for w in start)
-        optimizer = st.Muon([{"params": [a]}, {"params": [b], "lr": 0.03}], lr=0.02, momentum=0.9)
-        full_checks = []
-        collect = optimizer._collect
+    gradients = [[torch.randn(*shape, generator=generator).bfloat16() for shape in shapes] for _ in _CHANGES]
 
-        def counted(collect=collect, full_checks=full_checks):
-            full_checks.append(True)
-            return collect()
+    def set_gradient(p, index, step, in_place):
+        if in_place:
+            p.grad.copy_(gradients[step][index])
+        else:
+            p.grad = gradients[step][index].clone()
 
-        optimizer._collect = counted
-        if not reuse:
-            optimizer._last_calls_again = lambda: None
-        runs.append((optimizer, a, b, c, full_checks))
-    for step, (change, reused, error, undo) in enumerate(_CHANGES):
-        for optimizer, a, b, c, full_checks in runs:
-            for p, g in zip((a, b, c), gradients[step]):
-                if change is _gradients_in_place:
-                    p.grad.copy_(g)
-                else:
-                    p.grad = g.clone()
-            if change is not None:
-                change(optimizer, a, b, c)
-            before = [p.detach().clone() for p in (a, b, c)]
-            checked = len(full_checks)
-            if error is None:
-                optimizer.step()
-            else:
-                with pytest.raises(error[0], match=error[1]):
-                    optimizer.step()
-                assert all(torch.equal(p.detach(), w) for p, w in zip((a, b, c), before))
-                if undo is not None:
-                    undo(optimizer, a, b, c)
-            if optimizer is runs[0][0]:
-                assert (len(full_checks) == checked) == reused, f"step {step}: {change}"
-    (first, *mine), (second, *theirs) = runs[0][:4], runs[1][:4]
-    for p, q in zip(mine, theirs):
-        assert torch.equal(p.detach(), q.detach())
-        assert torch.equal(first.state[p]["momentum_buffer"], second.state[q]["momentum_buffer"])
-    assert not torch.equal(mine[2].detach(), start[2])  # c, added late, was stepped
+    reuse.check_reuse(_CHANGES, lambda: [torch.nn.Parameter(w.clone()) for w in start], set_gradient,
+                      torch.Tensor.detach)
 
 
 def test_ns_batch_bytes_sizes_the_batches_and_is_checked():
