@@ -1,6 +1,7 @@
 """The PyTorch front end: ``Muon``, a ``torch.optim.Optimizer`` whose step runs shardmuon's
-distributed Muon on tensor-parallel weight shards, and ``MuonWithAdamW``, which trains the
-non-matrix parameters with AdamW beside it.
+distributed Muon on tensor-parallel weight shards, ``MuonWithAdamW``, which trains the
+non-matrix parameters with AdamW beside it, and ``TorchMuon``, ``Muon`` under
+torch.optim.Muon's arguments for code written for that.
 
 Arguments and defaults follow TransformerEngine's MuonOptimizer (lr 3e-4, momentum 0.95,
 Nesterov, weight decay 0.01 decoupled, quintic, 5 steps, spectral scale, eps 1e-7,
@@ -46,7 +47,7 @@ from . import _capi as c
 from ._dtensor import describe, is_dtensor, local_tensor, piece_bytes, redistributed, sharding, write_into
 from ._runtime import Runtimes, group_rank, group_size, normalize_group
 
-__all__ = ["Muon", "MuonWithAdamW", "NewtonSchulz", "muon_param_groups", "load_resharded_state_dict"]
+__all__ = ["Muon", "MuonWithAdamW", "TorchMuon", "NewtonSchulz", "muon_param_groups", "load_resharded_state_dict"]
 
 _DTYPES = {torch.float32: c.FLOAT32, torch.bfloat16: c.BFLOAT16, torch.float64: c.FLOAT64}
 _NS_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
@@ -329,8 +330,9 @@ class Muon(torch.optim.Optimizer):
         it, and the group is not added."""
         super().add_param_group(param_group)
         index = len(self.param_groups) - 1
+        where = f"Muon param_groups[{index}]"
         try:
-            _check_hyperparameters(self.param_groups[index], f"Muon param_groups[{index}]")
+            _check_hyperparameters(self._hyperparameters(self.param_groups[index], where), where)
         except ValueError:
             self.param_groups.pop()
             raise
@@ -340,6 +342,10 @@ class Muon(torch.optim.Optimizer):
     def _name(self, param: torch.Tensor, group_index: int, index: int) -> str:
         """The parameter's label with what an error message needs: shape, dtype and device."""
         return str(_ParamName(self._param_names, param, group_index, index))
+
+    def _hyperparameters(self, group: Dict[str, Any], where: str) -> Dict[str, Any]:
+        """A group's values under Muon's names (TorchMuon derives some from torch.optim.Muon's)."""
+        return group
 
     def _muon_groups(self):
         """(index, group) of the groups this class steps (MuonWithAdamW leaves out the others)."""
@@ -670,7 +676,9 @@ class Muon(torch.optim.Optimizer):
 
     def _group_struct(self, group, keepalive, device, index) -> c.MuonGroup:
         # Checked again at every step: a group's values may have changed since (schedulers).
-        _check_hyperparameters(group, f"Muon param_groups[{index}]", read_tensors=False)
+        where = f"Muon param_groups[{index}]"
+        group = self._hyperparameters(group, where)
+        _check_hyperparameters(group, where, read_tensors=False)
         s = c.MuonGroup()
         c.check(c.lib.shardmuon_muon_group_default(ctypes.byref(s)))
         lr = group["lr"]
@@ -678,8 +686,8 @@ class Muon(torch.optim.Optimizer):
             # A tensor learning rate (PyTorch's schedulers fill it in place) is read by the
             # step's kernels when they run: a step captured with torch.cuda.graph follows it.
             if lr.dtype != torch.float32 or lr.numel() != 1 or lr.device != device:
-                raise ValueError(f"Muon param_groups[{index}]: a tensor lr must be one float32 "
-                                 f"value on {device}, not {lr.dtype} x {lr.numel()} on {lr.device}")
+                raise ValueError(f"{where}: a tensor lr must be one float32 value on {device}, not "
+                                 f"{lr.dtype} x {lr.numel()} on {lr.device}")
             s.lr = 0.0
             s.lr_on_device = lr.data_ptr()
         else:
@@ -1034,6 +1042,96 @@ class MuonWithAdamW(Muon):
     def load_state_dict(self, state_dict):
         super().load_state_dict(state_dict)
         self._link_adam()
+
+
+# torch.optim.Muon's adjust_lr_fn as Muon's (scale_mode, extra_scale_factor): "original" (its
+# default, None) scales the update by sqrt(max(1, rows / cols)), "match_rms_adamw" by
+# 0.2 sqrt(max(rows, cols)).
+_TORCH_ADJUST_LR = {None: ("shape_scaling", 1.0), "original": ("shape_scaling", 1.0),
+                    "match_rms_adamw": ("spectral", 0.2)}
+# Muon's names for what TorchMuon takes under torch.optim.Muon's (ns_coefficients, ns_steps,
+# adjust_lr_fn): derived from those, never given.
+_TORCH_DERIVED = ("coefficient_type", "custom_coefficients", "num_ns_steps", "scale_mode", "extra_scale_factor")
+
+
+class TorchMuon(Muon):
+    """Muon with torch.optim.Muon's arguments and defaults (PyTorch 2.9 and later), for code
+    written for it: ``TorchMuon(params, lr=1e-3, weight_decay=0.1, momentum=0.95,
+    nesterov=True, ns_coefficients=(3.4445, -4.775, 2.0315), eps=1e-7, ns_steps=5,
+    adjust_lr_fn=None)``, and the same step: momentum as lerp, decoupled weight decay,
+    ``ns_steps`` iterations of the one (a, b, c), the update scaled by ``adjust_lr_fn``
+    (None or "original": sqrt(max(1, rows / cols)); "match_rms_adamw": 0.2 sqrt(max(rows,
+    cols))), and the iteration in bf16 whatever the weights' dtype, as torch.optim.Muon runs
+    it (``ns_dtype=torch.bfloat16``; pass None for the weights' own dtype). Muon's other
+    keywords (process_group, algorithm, ns_dtype, ...) may be added; its names for what these
+    arguments set (coefficient_type, custom_coefficients, num_ns_steps, scale_mode,
+    extra_scale_factor) are refused.
+
+    The groups hold torch.optim.Muon's names (``group["ns_steps"]`` and the others are read at
+    every step, like the learning rate), and the state is its ``momentum_buffer``: a
+    torch.optim.Muon state dict loads (the keys its groups lack come from this optimizer's
+    defaults), and this optimizer's loads into torch.optim.Muon. One difference: the update
+    is divided by max(its norm, eps) where torch.optim.Muon divides by its norm + eps, which
+    differs only for an update of norm near eps."""
+
+    def __init__(self, params: Iterable, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
+                 nesterov: bool = True, ns_coefficients: Sequence[float] = (3.4445, -4.775, 2.0315),
+                 eps: float = 1e-7, ns_steps: int = 5, adjust_lr_fn: Optional[str] = None, *,
+                 ns_dtype: Optional[torch.dtype] = torch.bfloat16, **muon_kwargs):
+        derived = sorted(set(muon_kwargs) & set(_TORCH_DERIVED))
+        if derived:
+            raise TypeError(f"TorchMuon: {', '.join(derived)} come from ns_coefficients, ns_steps and "
+                            "adjust_lr_fn, as in torch.optim.Muon")
+        self._torch_defaults = {"ns_coefficients": ns_coefficients, "ns_steps": ns_steps,
+                                "adjust_lr_fn": adjust_lr_fn}
+        self._hyperparameters(dict(self._torch_defaults), "TorchMuon")
+        super().__init__(params, lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
+                         eps=eps, ns_dtype=ns_dtype, **muon_kwargs)
+        for key in _TORCH_DERIVED:
+            del self.defaults[key]
+        self.defaults.update(self._torch_defaults)
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        """Muon's, under torch.optim.Muon's names (ns_coefficients, ns_steps, adjust_lr_fn:
+        the optimizer's where the group gives none)."""
+        derived = sorted(set(param_group) & set(_TORCH_DERIVED))
+        if derived:
+            raise ValueError(f"Muon param_groups[{len(self.param_groups)}]: {', '.join(derived)} come "
+                             "from ns_coefficients, ns_steps and adjust_lr_fn, as in torch.optim.Muon")
+        for key, value in self._torch_defaults.items():
+            param_group.setdefault(key, value)
+        super().add_param_group(param_group)
+        for key in _TORCH_DERIVED:  # filled in from Muon's defaults, and derived at each step
+            self.param_groups[-1].pop(key, None)
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Muon's; a group saved without some of this optimizer's keys (by torch.optim.Muon)
+        takes them from its defaults."""
+        for index, group in enumerate(state_dict["param_groups"]):
+            derived = sorted(set(group) & set(_TORCH_DERIVED))
+            if derived:
+                raise ValueError(f"TorchMuon: the state dict's param_groups[{index}] has {', '.join(derived)}: "
+                                 "it was saved by Muon, whose groups name the iteration otherwise")
+        state_dict = dict(state_dict)
+        state_dict["param_groups"] = [{**self.defaults, **group} for group in state_dict["param_groups"]]
+        super().load_state_dict(state_dict)
+
+    def _hyperparameters(self, group: Dict[str, Any], where: str) -> Dict[str, Any]:
+        adjust_lr_fn, steps, coefficients = group["adjust_lr_fn"], group["ns_steps"], group["ns_coefficients"]
+        if adjust_lr_fn not in _TORCH_ADJUST_LR:
+            raise ValueError(f"{where}: adjust_lr_fn must be None, 'original' or 'match_rms_adamw', "
+                             f"got {adjust_lr_fn!r}")
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"{where}: ns_steps must be an int of at least 1, got {steps!r}")
+        try:
+            triple = tuple(float(x) for x in coefficients)
+        except (TypeError, ValueError):
+            triple = ()
+        if len(triple) != 3:
+            raise ValueError(f"{where}: ns_coefficients must be three numbers (a, b, c), got {coefficients!r}")
+        scale_mode, extra_scale_factor = _TORCH_ADJUST_LR[adjust_lr_fn]
+        return {**group, "coefficient_type": "custom", "custom_coefficients": [triple] * steps,
+                "num_ns_steps": steps, "scale_mode": scale_mode, "extra_scale_factor": extra_scale_factor}
 
 
 def muon_param_groups(model: torch.nn.Module, *, muon_lr: float, adamw_lr: float,

@@ -6,12 +6,14 @@
 On 2 GPUs: every sharding mode (rows, columns, uneven, replicated) and dtype for 3 steps with
 the learning rate changed every step, against the float64 reference on the whole matrices;
 a parameter without gradient; the errors for a CPU/CUDA mix and for a gloo group.
-On 1 GPU: against torch.optim.Muon where the settings coincide. On both: DTensor parameters
+On 1 GPU: against torch.optim.Muon where the settings coincide, and TorchMuon against it
+given the same arguments, its state dict loaded into TorchMuon. On both: DTensor parameters
 and NewtonSchulz on a DTensor, on a CUDA device mesh of every rank (rows and columns split by
 DTensor's own chunking, replicated, and an expert stack's rows), against the reference.
 Prints one line per check and a summary; exits 1 if any failed.
 """
 
+import copy
 import os
 import sys
 
@@ -233,6 +235,57 @@ def single_gpu_checks(device):
                    f"between them {between:.2e}")
 
 
+def torch_muon_checks(device):
+    """TorchMuon against torch.optim.Muon given the same arguments, float32 weights: both
+    orthogonalize in bf16 (TorchMuon's default ns_dtype), so ours must be no further from the
+    float64 step than torch's, within a quarter. Then a torch.optim.Muon state dict loaded into
+    TorchMuon: the next step's momentum must be torch's to float32 rounding, and its update
+    as close to torch's as two bf16 iterations are (the first check's "between")."""
+    if not hasattr(torch.optim, "Muon"):
+        record("TorchMuon against torch.optim.Muon", False, "(this PyTorch has no torch.optim.Muon)")
+        return
+    for (rows, cols), adjust_lr_fn in [((1024, 3072), None), ((3072, 1024), "match_rms_adamw"),
+                                       ((777, 513), "original")]:
+        generator = torch.Generator().manual_seed(cols)
+        w0 = 0.05 * torch.randn(rows, cols, generator=generator)
+        grads = [torch.randn(rows, cols, generator=generator) for _ in range(4)]
+        arguments = dict(lr=0.02, weight_decay=0.1, ns_steps=5, adjust_lr_fn=adjust_lr_fn)
+        ours = torch.nn.Parameter(w0.clone().to(device))
+        theirs = torch.nn.Parameter(w0.clone().to(device))
+        opt_ours, opt_theirs = st.TorchMuon([ours], **arguments), torch.optim.Muon([theirs], **arguments)
+        scale_mode, extra = ("spectral", 0.2) if adjust_lr_fn == "match_rms_adamw" else ("shape_scaling", 1.0)
+        w_ref, m_ref = w0.double(), torch.zeros(rows, cols, dtype=torch.float64)
+        for g in grads[:3]:
+            ours.grad, theirs.grad = g.to(device), g.to(device)
+            opt_ours.step()
+            opt_theirs.step()
+            w_ref, m_ref = reference.muon_step(w_ref, g, m_ref, lr=0.02, weight_decay=0.1, schedule="simple",
+                                               scale_mode=scale_mode, extra=extra)
+        update = w_ref - w0.double()
+        ours_error = reference.relative_error(ours.detach().double().cpu() - w0.double(), update)
+        theirs_error = reference.relative_error(theirs.detach().double().cpu() - w0.double(), update)
+        between = reference.relative_error(ours.detach().double().cpu() - w0.double(),
+                                           theirs.detach().double().cpu() - w0.double())
+        record(f"TorchMuon vs torch.optim.Muon {rows}x{cols} float32 adjust_lr_fn={adjust_lr_fn}",
+               ours_error <= 1.25 * theirs_error,
+               f"update error vs float64: ours {ours_error:.2e}, torch.optim.Muon {theirs_error:.2e}; "
+               f"between them {between:.2e}")
+        # torch.optim.Muon's state, loaded into a TorchMuon over a copy of its weights.
+        resumed = torch.nn.Parameter(theirs.detach().clone())
+        opt_resumed = st.TorchMuon([resumed], lr=0.5)
+        # A copy, as from a file: a state dict holds the live buffers, which the load would share.
+        opt_resumed.load_state_dict(copy.deepcopy(opt_theirs.state_dict()))
+        before = theirs.detach().clone()
+        resumed.grad, theirs.grad = grads[3].to(device), grads[3].to(device)
+        opt_resumed.step()
+        opt_theirs.step()
+        momentum = reference.relative_error(opt_resumed.state[resumed]["momentum_buffer"].cpu(),
+                                            opt_theirs.state[theirs]["momentum_buffer"].cpu())
+        step = reference.relative_error((resumed.detach() - before).cpu(), (theirs.detach() - before).cpu())
+        record(f"torch.optim.Muon's state dict into TorchMuon {rows}x{cols}", momentum < 1e-6 and step < 4 * between,
+               f"next step's momentum {momentum:.2e} and update {step:.2e} from torch.optim.Muon's")
+
+
 def main():
     # The sharded checks need two ranks; under torchrun with one process, the one-GPU checks.
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -243,6 +296,7 @@ def main():
         dtensor_checks(dist.get_rank(), dist.get_world_size(), torch.device("cuda", local))
     else:
         single_gpu_checks(torch.device("cuda", 0))
+        torch_muon_checks(torch.device("cuda", 0))
         torch.cuda.set_device(0)
         if "MASTER_ADDR" in os.environ:  # torchrun's store (its agent owns it; a TCP one would wait)
             dist.init_process_group("nccl")
