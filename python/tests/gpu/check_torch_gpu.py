@@ -239,8 +239,9 @@ def torch_muon_checks(device):
     """TorchMuon against torch.optim.Muon given the same arguments, float32 weights: both
     orthogonalize in bf16 (TorchMuon's default ns_dtype), so ours must be no further from the
     float64 step than torch's, within a quarter. Then a torch.optim.Muon state dict loaded into
-    TorchMuon: the next step's momentum must be torch's to float32 rounding, and its update
-    as close to torch's as two bf16 iterations are (the first check's "between")."""
+    TorchMuon, and TorchMuon's into a torch.optim.Muon: the next step's momentum must be the
+    other's to float32 rounding, and its update as close to the other's as two bf16
+    iterations are (the first check's "between", within 4x)."""
     if not hasattr(torch.optim, "Muon"):
         record("TorchMuon against torch.optim.Muon", False, "(this PyTorch has no torch.optim.Muon)")
         return
@@ -248,7 +249,7 @@ def torch_muon_checks(device):
                                        ((777, 513), "original")]:
         generator = torch.Generator().manual_seed(cols)
         w0 = 0.05 * torch.randn(rows, cols, generator=generator)
-        grads = [torch.randn(rows, cols, generator=generator) for _ in range(4)]
+        grads = [torch.randn(rows, cols, generator=generator) for _ in range(5)]
         arguments = dict(lr=0.02, weight_decay=0.1, ns_steps=5, adjust_lr_fn=adjust_lr_fn)
         ours = torch.nn.Parameter(w0.clone().to(device))
         theirs = torch.nn.Parameter(w0.clone().to(device))
@@ -284,6 +285,19 @@ def torch_muon_checks(device):
         step = reference.relative_error((resumed.detach() - before).cpu(), (theirs.detach() - before).cpu())
         record(f"torch.optim.Muon's state dict into TorchMuon {rows}x{cols}", momentum < 1e-6 and step < 4 * between,
                f"next step's momentum {momentum:.2e} and update {step:.2e} from torch.optim.Muon's")
+        # And back: TorchMuon's state dict into a torch.optim.Muon, which reads its own keys.
+        back = torch.nn.Parameter(resumed.detach().clone())
+        opt_back = torch.optim.Muon([back], lr=0.5)
+        opt_back.load_state_dict(copy.deepcopy(opt_resumed.state_dict()))
+        before = resumed.detach().clone()
+        back.grad, resumed.grad = grads[4].to(device), grads[4].to(device)
+        opt_back.step()
+        opt_resumed.step()
+        momentum = reference.relative_error(opt_back.state[back]["momentum_buffer"].cpu(),
+                                            opt_resumed.state[resumed]["momentum_buffer"].cpu())
+        step = reference.relative_error((back.detach() - before).cpu(), (resumed.detach() - before).cpu())
+        record(f"TorchMuon's state dict into torch.optim.Muon {rows}x{cols}", momentum < 1e-6 and step < 4 * between,
+               f"next step's momentum {momentum:.2e} and update {step:.2e} from TorchMuon's")
 
 
 def main():
