@@ -36,6 +36,7 @@ beyond that go to further calls over the same group.
 from __future__ import annotations
 
 import ctypes
+import numbers
 import warnings
 import weakref
 from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple
@@ -1121,7 +1122,7 @@ class TorchMuon(Muon):
         if adjust_lr_fn not in _TORCH_ADJUST_LR:
             raise ValueError(f"{where}: adjust_lr_fn must be None, 'original' or 'match_rms_adamw', "
                              f"got {adjust_lr_fn!r}")
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1:
             raise ValueError(f"{where}: ns_steps must be an int of at least 1, got {steps!r}")
         try:
             triple = tuple(float(x) for x in coefficients)
@@ -1130,8 +1131,8 @@ class TorchMuon(Muon):
         if len(triple) != 3:
             raise ValueError(f"{where}: ns_coefficients must be three numbers (a, b, c), got {coefficients!r}")
         scale_mode, extra_scale_factor = _TORCH_ADJUST_LR[adjust_lr_fn]
-        return {**group, "coefficient_type": "custom", "custom_coefficients": [triple] * steps,
-                "num_ns_steps": steps, "scale_mode": scale_mode, "extra_scale_factor": extra_scale_factor}
+        return {**group, "coefficient_type": "custom", "custom_coefficients": [triple] * int(steps),
+                "num_ns_steps": int(steps), "scale_mode": scale_mode, "extra_scale_factor": extra_scale_factor}
 
 
 def muon_param_groups(model: torch.nn.Module, *, muon_lr: float, adamw_lr: float,

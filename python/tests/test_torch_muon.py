@@ -2,6 +2,7 @@
 against the float64 reference step. Debian's PyTorch 1.13 has no torch.optim.Muon: the
 comparison with it runs on the GPU machine (python/tests/gpu/check_torch_gpu.py)."""
 
+import numpy
 import pytest
 import torch
 
@@ -104,7 +105,8 @@ def test_bad_values_and_muons_own_names_are_refused():
         st.TorchMuon([param], scale_mode="spectral", num_ns_steps=3)
     with pytest.raises(ValueError, match=r"param_groups\[0\]: coefficient_type come from"):
         st.TorchMuon([{"params": [param], "coefficient_type": "quintic"}])
-    optimizer = st.TorchMuon([param])
+    optimizer = st.TorchMuon([param], ns_steps=numpy.int64(4))  # an integer of numpy's is one too
+    assert optimizer.param_groups[0]["ns_steps"] == 4
     with pytest.raises(ValueError, match=r"Muon param_groups\[1\]: ns_steps must be an int of at least 1, got 0"):
         optimizer.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3, 3, dtype=torch.float64))],
                                    "ns_steps": 0})
