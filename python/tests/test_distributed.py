@@ -1,6 +1,7 @@
 """shardmuon.torch.Muon on several CPU processes (gloo): sharded parameters, uneven and
 empty shards, against the float64 reference on the whole matrices; collective skipping; a
-mismatch that fails on every rank; and loading a state saved under another group size."""
+mismatch that fails on every rank; loading a state saved under another group size; and
+TorchMuon on shards."""
 
 import datetime
 import os
@@ -69,6 +70,41 @@ def test_every_distribution_matches_the_whole_matrix_reference(world, algorithm)
 
 def test_a_parameter_without_grad_on_every_rank_is_skipped():
     launch(_sharded_steps, 3, True)
+
+
+def _torch_muon_sharded(rank, world):
+    """TorchMuon (torch.optim.Muon's arguments) on shards: adjust_lr_fn's scale is of the
+    whole matrix, not of this rank's shard."""
+    generator = torch.Generator().manual_seed(13)
+    params, wholes = [], []
+    for rows, cols, dim in [(37, 53, 0), (53, 37, 1), (20, 30, 0)]:
+        w = 0.05 * torch.randn(rows, cols, generator=generator, dtype=torch.float64)
+        g = [torch.randn(rows, cols, generator=generator, dtype=torch.float64) for _ in range(2)]
+        sizes = split(rows if dim == 0 else cols, WEIGHTS[world])
+        p = torch.nn.Parameter(shard_of(w, dim, sizes, rank))
+        p.partition_dim = dim
+        params.append(p)
+        wholes.append((w, g, dim, sizes))
+    optimizer = st.TorchMuon([{"params": params[:2]}, {"params": params[2:], "adjust_lr_fn": "original"}],
+                             lr=0.02, ns_steps=4, adjust_lr_fn="match_rms_adamw", ns_dtype=None,
+                             process_group=dist.group.WORLD)
+    for step in range(2):
+        for p, (_, g, dim, sizes) in zip(params, wholes):
+            p.grad = shard_of(g[step], dim, sizes, rank)
+        optimizer.step()
+    for index, (p, (w, g, dim, sizes)) in enumerate(zip(params, wholes)):
+        scale_mode, extra = ("spectral", 0.2) if index < 2 else ("shape_scaling", 1.0)
+        expected, m = w, torch.zeros_like(w)
+        for step in range(2):
+            expected, m = reference.muon_step(expected, g[step], m, lr=0.02, weight_decay=0.1, schedule="custom",
+                                              steps=4, custom=[(3.4445, -4.775, 2.0315)] * 4,
+                                              scale_mode=scale_mode, extra=extra)
+        error = reference.relative_error(p.detach(), shard_of(expected, dim, sizes, rank))
+        assert error < 1e-11, (rank, index, error)
+
+
+def test_torch_muon_scales_by_the_whole_matrix_on_shards():
+    launch(_torch_muon_sharded, 2)
 
 
 def _plan(rank, world):
