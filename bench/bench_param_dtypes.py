@@ -1,6 +1,7 @@
 """float32 weights, as mixed-precision training keeps them: the Muon step on one GPU with the
 Newton-Schulz iteration in float32 (shardmuon's default, the parameter's dtype) and in bf16
-(``ns_dtype=torch.bfloat16``, what torch.optim.Muon does with any weights), against
+(``ns_dtype=torch.bfloat16``, what torch.optim.Muon does with any weights), and as
+``TorchMuon`` given torch.optim.Muon's arguments (the same bf16 step), against
 torch.optim.Muon itself, in the same run, on the same inputs, each checked against float64.
 
     python3 bench/bench_param_dtypes.py [--layers 2] [--repeats 5] [--out DIR]
@@ -114,7 +115,9 @@ def main():
                                    scale_mode="shape_scaling")),
                   ("shardmuon, ns_dtype bf16", torch.bfloat16,
                    lambda: st.Muon(params, **common, coefficient_type="simple", num_ns_steps=STEPS,
-                                   scale_mode="shape_scaling", ns_dtype=torch.bfloat16))]
+                                   scale_mode="shape_scaling", ns_dtype=torch.bfloat16)),
+                  ("shardmuon TorchMuon, torch.optim.Muon's arguments", torch.bfloat16,
+                   lambda: st.TorchMuon(params, **common, ns_steps=STEPS, eps=1e-7))]
     if hasattr(torch.optim, "Muon"):
         candidates.append(("torch.optim.Muon", torch.bfloat16,
                            lambda: torch.optim.Muon(params, **common, ns_steps=STEPS, eps=1e-7)))
