@@ -13,7 +13,7 @@ export PATH="/opt/torch/.venv/bin:$PATH:/usr/local/cuda/bin" OPENBLAS_NUM_THREAD
 export SHARDMUON_TEST_REPORT_ERRORS=1  # the tests print each case's error and tolerance
 mpi=(mpirun --allow-run-as-root --oversubscribe -x NCCL_NVLS_ENABLE -x TORCH_SYMM_MEM_DISABLE_MULTICAST
      -x NVSHMEM_DISABLE_NVLS -x OPENBLAS_NUM_THREADS -x SHARDMUON_TEST_REPORT_ERRORS)
-what="${1:-all}"  # all | tests | callbacks | torch | final | timeout | speed | step | sanitize
+what="${1:-all}"  # all | tests | callbacks | torch | final | timeout | speed | step | sanitize | targets
 gpus=$(nvidia-smi -L | wc -l)
 nvidia-smi -L
 echo "gpus: $gpus"
@@ -234,6 +234,24 @@ if [[ "$what" == "speed" ]]; then
       --dtypes bf16 --schedules quintic:5 --repeats 7 >"$out/sweep.log" 2>&1
   done
   printf '%s\n' "${results[@]}"
+  exit 0
+fi
+if [[ "$what" == "targets" ]]; then
+  # Issue #5's two-GPU targets, in one call of a few minutes: the CUDA suite on 1 and 2 GPUs
+  # over NCCL (the fault injection and the multi-block case apart), the PyTorch checks on
+  # every GPU, then the benchmark's rows the targets name (8192 x 28672 either way round,
+  # bf16, quintic 5) against the Gram all-reduce and all-gather baselines of the same run.
+  cuda_tests tests '-*MultiBlock*:Reliability.ARankThatNeverCalls*'
+  export SHARDMUON_LIBRARY="$root/$build/libshardmuon.so"
+  timeout 200 torchrun --nproc_per_node="$gpus" python/tests/gpu/check_torch_gpu.py >"$out/torch_gpu.log" 2>&1
+  results+=("torch checks on $gpus GPU(s): rc=$? $(grep -h 'torch GPU checks' "$out/torch_gpu.log")")
+  grep -E "^FAIL" "$out/torch_gpu.log" | head -10
+  timeout 300 torchrun --nproc_per_node="$gpus" bench/bench_newton_schulz.py --out "$out" \
+    --shapes 8192x28672,28672x8192 --dtypes bf16 --schedules quintic:5 >"$out/bench.log" 2>&1
+  results+=("benchmark: rc=$? $(grep -c '^| [0-9]' "$out/bench.log") rows; $(grep accuracy "$out/bench.log")")
+  grep -E "^\|" "$out/bench.log"
+  printf '%s\n' "${results[@]}"
+  mv "$out/configure.log" "$out/build.log" "$build/" 2>/dev/null
   exit 0
 fi
 if [[ "$what" == "step" ]]; then
