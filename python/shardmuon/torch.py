@@ -1073,7 +1073,9 @@ class TorchMuon(Muon):
     torch.optim.Muon state dict loads (the keys its groups lack come from this optimizer's
     defaults), and this optimizer's loads into torch.optim.Muon. One difference: the update
     is divided by max(its norm, eps) where torch.optim.Muon divides by its norm + eps, which
-    differs only for an update of norm near eps."""
+    differs only for an update of norm near eps. And it takes what Muon takes beyond 2D
+    weights on one device: shards (``partition_dim``, DTensors), 3D expert stacks, fused
+    weights (``muon_row_blocks``)."""
 
     def __init__(self, params: Iterable, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
                  nesterov: bool = True, ns_coefficients: Sequence[float] = (3.4445, -4.775, 2.0315),
