@@ -4,7 +4,7 @@ pieces, or uneven pieces given with from_local), on a 2 x 2 mesh (a split over o
 dimension or both, expert parallelism, replication, fused weights) and on half of a 2 x 2 x 2
 mesh (with and without a flattened group), every step against the float64 reference on the
 whole matrices, and plan() saying over how many ranks and under which placements; FSDP2,
-alone and with tensor parallelism, against the whole model; the placements refused with an
+alone, over a 2D mesh (HSDP) and with tensor parallelism, against the whole model; the placements refused with an
 error on every rank; a step reusing the last one's arguments; the state dict and
 torch.distributed.checkpoint; and NewtonSchulz on a DTensor.
 
@@ -598,6 +598,51 @@ def _fsdp2(rank, world):
 @pytest.mark.parametrize("world", [2, 3])
 def test_a_model_sharded_by_fsdp2_trains_like_the_whole_model(world):
     launch(_fsdp2, world)
+
+
+def _hsdp(rank, world):
+    """FSDP2 over a 2D mesh (HSDP, torchtitan's dp_replicate x dp_shard): every weight
+    Replicate() over the first mesh dimension and Shard(0) over the second, its gradient
+    averaged over all four ranks. Each replica group of two orthogonalizes its weights over
+    its own shards, and the model trains like the whole model on the whole batch."""
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:
+        from torch.distributed._composable.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)  # the same initial weights on every rank
+    model = torch.nn.Sequential(torch.nn.Linear(13, 37, bias=False), torch.nn.Tanh(),
+                                torch.nn.Linear(37, 11, bias=False)).double()
+    whole_model = copy.deepcopy(model)
+    fully_shard(model, mesh=mesh)
+    for p in model.parameters():
+        assert p.placements == (Replicate(), Shard(0)), p.placements
+    optimizer = st.Muon(model.parameters(), lr=0.02, weight_decay=0.1)
+    assert [x["group_size"] for x in optimizer.plan().values()] == [2, 2]
+    full_checks = reuse.count_full_checks(optimizer)
+    references = [(p.detach().clone(), torch.zeros_like(p)) for p in whole_model.parameters()]
+    generator = torch.Generator().manual_seed(1)
+    for step in range(3):
+        batches = [torch.randn(8, 13, generator=generator, dtype=torch.float64) for _ in range(world)]
+        model(batches[rank]).square().mean().backward()  # averaged over all four ranks
+        optimizer.step()
+        optimizer.zero_grad()
+        whole_model.zero_grad()
+        (sum(whole_model(x).square().mean() for x in batches) / world).backward()
+        references = [reference.muon_step(w, p.grad, m, lr=0.02, weight_decay=0.1)
+                      for (w, m), p in zip(references, whole_model.parameters())]
+        with torch.no_grad():
+            for p, (w, _) in zip(whole_model.parameters(), references):
+                p.copy_(w)
+    assert len(full_checks) == 1, full_checks  # the steps after the first reused its arguments
+    for p, (w, _) in zip(model.parameters(), references):
+        error = reference.relative_error(p.full_tensor(), w)
+        assert error < 1e-11, (rank, tuple(p.shape), error)
+
+
+def test_hsdp_trains_like_the_whole_model():
+    launch(_hsdp, 4)
 
 
 def _fsdp2_with_tensor_parallelism(rank, world):
