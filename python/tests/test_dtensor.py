@@ -512,10 +512,11 @@ def test_newton_schulz_takes_a_dtensor(world):
     launch(_newton_schulz, world)
 
 
-def _distributed_checkpoint(rank, world, directory):
+def _distributed_checkpoint(rank, world, directory, optimizer_class):
     """The optimizer state through torch.distributed.checkpoint, as torchtitan saves it: saved
     with the rows split, loaded with the columns split (DCP reshards the DTensor momentum),
-    then a step continues as if uninterrupted."""
+    then a step continues as if uninterrupted. Of Muon, or of TorchMuon (whose groups hold
+    torch.optim.Muon's names; its iteration in float64 here, as Muon's)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
@@ -527,15 +528,19 @@ def _distributed_checkpoint(rank, world, directory):
         model.weight = torch.nn.Parameter(distribute(whole, mesh, [placement]))
         return model
 
+    def make(params):
+        options = {"ns_dtype": None} if optimizer_class == "TorchMuon" else {}
+        return getattr(st, optimizer_class)(params, lr=0.02, **options)
+
     saver = model_of(weight, Shard(0))
-    optimizer = st.Muon(saver.parameters(), lr=0.02)
+    optimizer = make(saver.parameters())
     for step in range(2):
         saver.weight.grad = distribute(g[step], mesh, [Shard(0)])
         optimizer.step()
     dcp.save(get_optimizer_state_dict(saver, optimizer), checkpoint_id=directory)
 
     loader = model_of(saver.weight.detach().full_tensor(), Shard(1))
-    resumed = st.Muon(loader.parameters(), lr=0.02)
+    resumed = make(loader.parameters())
     state = get_optimizer_state_dict(loader, resumed)  # PyTorch creates the state by a step at lr 0
     dcp.load(state, checkpoint_id=directory)
     set_optimizer_state_dict(loader, resumed, state)
@@ -551,8 +556,9 @@ def _distributed_checkpoint(rank, world, directory):
     assert error < 1e-12, (rank, error)
 
 
-def test_torch_distributed_checkpoint_reshards_the_state(tmp_path):
-    launch(_distributed_checkpoint, 2, str(tmp_path))
+@pytest.mark.parametrize("optimizer_class", ["Muon", "TorchMuon"])
+def test_torch_distributed_checkpoint_reshards_the_state(tmp_path, optimizer_class):
+    launch(_distributed_checkpoint, 2, str(tmp_path), optimizer_class)
 
 
 def _fsdp2(rank, world):
