@@ -561,44 +561,63 @@ def test_torch_distributed_checkpoint_reshards_the_state(tmp_path, optimizer_cla
     launch(_distributed_checkpoint, 2, str(tmp_path), optimizer_class)
 
 
-def _fsdp2(rank, world):
-    """A model sharded by FSDP2 (fully_shard: every weight a Shard(0) DTensor over the mesh,
-    gradients reduce-scattered by FSDP) trains with Muon like the whole model on the whole
-    batch, its steps after the first reusing the first one's arguments."""
+def fully_shard_function():
+    """FSDP2's fully_shard, where this PyTorch keeps it."""
     try:
         from torch.distributed.fsdp import fully_shard
     except ImportError:
         from torch.distributed._composable.fsdp import fully_shard
+    return fully_shard
 
-    mesh = init_device_mesh("cpu", (world,))
-    torch.manual_seed(0)  # the same initial weights on every rank
-    model = torch.nn.Sequential(torch.nn.Linear(13, 37, bias=False), torch.nn.Tanh(),
-                                torch.nn.Linear(37, 11, bias=False)).double()
-    whole_model = copy.deepcopy(model)
-    fully_shard(model, mesh=mesh)
-    optimizer = st.Muon(model.parameters(), lr=0.02, weight_decay=0.1)
-    full_checks = reuse.count_full_checks(optimizer)
+
+def two_layer_model(hidden):
+    """A float64 model of two matrices, 13 -> hidden -> 11, of the same initial weights on
+    every rank, and a copy to be trained whole."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(13, hidden, bias=False), torch.nn.Tanh(),
+                                torch.nn.Linear(hidden, 11, bias=False)).double()
+    return model, copy.deepcopy(model)
+
+
+def trains_like_the_whole_model(model, whole_model, optimizer, replicas, replica, steps, rank):
+    """`steps` steps of the sharded model on the batch of its data-parallel replica (of
+    `replicas` random batches a step, the loss of each the mean square of the output, FSDP
+    averaging their gradients) and of the float64 reference on the whole model and the mean
+    of all the batches' losses: the sharded weights must end as the reference's."""
     references = [(p.detach().clone(), torch.zeros_like(p)) for p in whole_model.parameters()]
     generator = torch.Generator().manual_seed(1)
-    for step in range(3):
-        batches = [torch.randn(8, 13, generator=generator, dtype=torch.float64) for _ in range(world)]
-        model(batches[rank]).square().mean().backward()  # FSDP averages the ranks' gradients
+    for _ in range(steps):
+        batches = [torch.randn(8, 13, generator=generator, dtype=torch.float64) for _ in range(replicas)]
+        model(batches[replica]).square().mean().backward()
         optimizer.step()
         optimizer.zero_grad()
         whole_model.zero_grad()
-        (sum(whole_model(x).square().mean() for x in batches) / world).backward()
+        (sum(whole_model(x).square().mean() for x in batches) / replicas).backward()
         references = [reference.muon_step(w, p.grad, m, lr=0.02, weight_decay=0.1)
                       for (w, m), p in zip(references, whole_model.parameters())]
         with torch.no_grad():  # the whole model's next forward uses the reference's weights
             for p, (w, _) in zip(whole_model.parameters(), references):
                 p.copy_(w)
+    for p, (w, _) in zip(model.parameters(), references):
+        error = reference.relative_error(p.full_tensor(), w)
+        assert error < 1e-11, (rank, tuple(p.shape), p.placements, error)
+
+
+def _fsdp2(rank, world):
+    """A model sharded by FSDP2 (fully_shard: every weight a Shard(0) DTensor over the mesh,
+    gradients reduce-scattered by FSDP) trains with Muon like the whole model on the whole
+    batch, its steps after the first reusing the first one's arguments."""
+    mesh = init_device_mesh("cpu", (world,))
+    model, whole_model = two_layer_model(37)
+    fully_shard_function()(model, mesh=mesh)
+    for p in model.parameters():
+        assert isinstance(p, DTensor) and p.placements == (Shard(0),), p
+    optimizer = st.Muon(model.parameters(), lr=0.02, weight_decay=0.1)
+    full_checks = reuse.count_full_checks(optimizer)
+    trains_like_the_whole_model(model, whole_model, optimizer, world, rank, 3, rank)
     # FSDP2 keeps each parameter's piece and gives new gradients of the same placements: the
     # steps after the first reuse its arguments.
     assert len(full_checks) == 1, full_checks
-    for p, (w, _) in zip(model.parameters(), references):
-        assert isinstance(p, DTensor) and p.placements == (Shard(0),)
-        error = reference.relative_error(p.full_tensor(), w)
-        assert error < 1e-11, (rank, tuple(p.shape), error)
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -610,41 +629,18 @@ def _hsdp(rank, world):
     """FSDP2 over a 2D mesh (HSDP, torchtitan's dp_replicate x dp_shard): every weight
     Replicate() over the first mesh dimension and Shard(0) over the second, its gradient
     averaged over all four ranks. Each replica group of two orthogonalizes its weights over
-    its own shards, and the model trains like the whole model on the whole batch."""
-    try:
-        from torch.distributed.fsdp import fully_shard
-    except ImportError:
-        from torch.distributed._composable.fsdp import fully_shard
-
+    its own shards, and the model trains like the whole model on the whole batch, its steps
+    after the first reusing the first one's arguments."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    torch.manual_seed(0)  # the same initial weights on every rank
-    model = torch.nn.Sequential(torch.nn.Linear(13, 37, bias=False), torch.nn.Tanh(),
-                                torch.nn.Linear(37, 11, bias=False)).double()
-    whole_model = copy.deepcopy(model)
-    fully_shard(model, mesh=mesh)
+    model, whole_model = two_layer_model(37)
+    fully_shard_function()(model, mesh=mesh)
     for p in model.parameters():
         assert p.placements == (Replicate(), Shard(0)), p.placements
     optimizer = st.Muon(model.parameters(), lr=0.02, weight_decay=0.1)
     assert [x["group_size"] for x in optimizer.plan().values()] == [2, 2]
     full_checks = reuse.count_full_checks(optimizer)
-    references = [(p.detach().clone(), torch.zeros_like(p)) for p in whole_model.parameters()]
-    generator = torch.Generator().manual_seed(1)
-    for step in range(3):
-        batches = [torch.randn(8, 13, generator=generator, dtype=torch.float64) for _ in range(world)]
-        model(batches[rank]).square().mean().backward()  # averaged over all four ranks
-        optimizer.step()
-        optimizer.zero_grad()
-        whole_model.zero_grad()
-        (sum(whole_model(x).square().mean() for x in batches) / world).backward()
-        references = [reference.muon_step(w, p.grad, m, lr=0.02, weight_decay=0.1)
-                      for (w, m), p in zip(references, whole_model.parameters())]
-        with torch.no_grad():
-            for p, (w, _) in zip(whole_model.parameters(), references):
-                p.copy_(w)
-    assert len(full_checks) == 1, full_checks  # the steps after the first reused its arguments
-    for p, (w, _) in zip(model.parameters(), references):
-        error = reference.relative_error(p.full_tensor(), w)
-        assert error < 1e-11, (rank, tuple(p.shape), error)
+    trains_like_the_whole_model(model, whole_model, optimizer, world, rank, 3, rank)
+    assert len(full_checks) == 1, full_checks
 
 
 def test_hsdp_trains_like_the_whole_model():
@@ -657,22 +653,15 @@ def _fsdp2_with_tensor_parallelism(rank, world):
     split over both (a strided shard and Shard(0) for the first, Shard(0) and Shard(1) for the
     second): Muon steps them over all four ranks and trains like the whole model on the whole
     batch."""
-    try:
-        from torch.distributed.fsdp import fully_shard
-    except ImportError:
-        from torch.distributed._composable.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    torch.manual_seed(0)  # the same initial weights on every rank
     # The hidden width is even: PyTorch's row-parallel layer rebuilds its input's DTensor
     # assuming even pieces (37 over 2 fails in its sharding propagation). FSDP2's pieces of
     # the second weight's 11 rows are still uneven.
-    model = torch.nn.Sequential(torch.nn.Linear(13, 36, bias=False), torch.nn.Tanh(),
-                                torch.nn.Linear(36, 11, bias=False)).double()
-    whole_model = copy.deepcopy(model)
+    model, whole_model = two_layer_model(36)
     parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
-    fully_shard(model, mesh=mesh["dp"])
+    fully_shard_function()(model, mesh=mesh["dp"])
     for p in model.parameters():
         assert len(p.placements) == 2 and not any(x.is_replicate() for x in p.placements), p.placements
     optimizer = st.Muon(model.parameters(), lr=0.02, weight_decay=0.1)
@@ -680,26 +669,9 @@ def _fsdp2_with_tensor_parallelism(rank, world):
     # redistributed to rows.
     plan = list(optimizer.plan().values())
     assert [(x["group_size"], x["redistributed"]) for x in plan] == [(4, None), (4, (Shard(0), Shard(0)))], plan
-    references = [(p.detach().clone(), torch.zeros_like(p)) for p in whole_model.parameters()]
-    generator = torch.Generator().manual_seed(1)
-    dp_rank = mesh["dp"].get_local_rank()
     calls = counting_step_calls()
-    for step in range(2):
-        batches = [torch.randn(8, 13, generator=generator, dtype=torch.float64) for _ in range(2)]
-        model(batches[dp_rank]).square().mean().backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        whole_model.zero_grad()
-        (sum(whole_model(x).square().mean() for x in batches) / 2).backward()
-        references = [reference.muon_step(w, p.grad, m, lr=0.02, weight_decay=0.1)
-                      for (w, m), p in zip(references, whole_model.parameters())]
-        with torch.no_grad():
-            for p, (w, _) in zip(whole_model.parameters(), references):
-                p.copy_(w)
+    trains_like_the_whole_model(model, whole_model, optimizer, 2, mesh["dp"].get_local_rank(), 2, rank)
     assert calls == [2, 2], calls  # both weights in one call a step
-    for p, (w, _) in zip(model.parameters(), references):
-        error = reference.relative_error(p.full_tensor(), w)
-        assert error < 1e-11, (rank, tuple(p.shape), p.placements, error)
 
 
 def test_fsdp2_with_tensor_parallelism_trains_like_the_whole_model():

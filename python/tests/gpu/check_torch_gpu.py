@@ -271,33 +271,39 @@ def torch_muon_checks(device):
                ours_error <= 1.25 * theirs_error,
                f"update error vs float64: ours {ours_error:.2e}, torch.optim.Muon {theirs_error:.2e}; "
                f"between them {between:.2e}")
-        # torch.optim.Muon's state, loaded into a TorchMuon over a copy of its weights.
-        resumed = torch.nn.Parameter(theirs.detach().clone())
-        opt_resumed = st.TorchMuon([resumed], lr=0.5)
-        # A copy, as from a file: a state dict holds the live buffers, which the load would share.
-        opt_resumed.load_state_dict(copy.deepcopy(opt_theirs.state_dict()))
-        before = theirs.detach().clone()
-        resumed.grad, theirs.grad = grads[3].to(device), grads[3].to(device)
-        opt_resumed.step()
-        opt_theirs.step()
-        momentum = reference.relative_error(opt_resumed.state[resumed]["momentum_buffer"].cpu(),
-                                            opt_theirs.state[theirs]["momentum_buffer"].cpu())
-        step = reference.relative_error((resumed.detach() - before).cpu(), (theirs.detach() - before).cpu())
+        # torch.optim.Muon's state loaded into a TorchMuon, then TorchMuon's into a torch.optim.Muon
+        # (which reads its own keys), each over a copy of the other's weights.
+        resumed, opt_resumed = resumed_from(theirs, opt_theirs, st.TorchMuon)
+        momentum, step = one_more_step((theirs, opt_theirs), (resumed, opt_resumed), grads[3].to(device))
         record(f"torch.optim.Muon's state dict into TorchMuon {rows}x{cols}", momentum < 1e-6 and step < 4 * between,
                f"next step's momentum {momentum:.2e} and update {step:.2e} from torch.optim.Muon's")
-        # And back: TorchMuon's state dict into a torch.optim.Muon, which reads its own keys.
-        back = torch.nn.Parameter(resumed.detach().clone())
-        opt_back = torch.optim.Muon([back], lr=0.5)
-        opt_back.load_state_dict(copy.deepcopy(opt_resumed.state_dict()))
-        before = resumed.detach().clone()
-        back.grad, resumed.grad = grads[4].to(device), grads[4].to(device)
-        opt_back.step()
-        opt_resumed.step()
-        momentum = reference.relative_error(opt_back.state[back]["momentum_buffer"].cpu(),
-                                            opt_resumed.state[resumed]["momentum_buffer"].cpu())
-        step = reference.relative_error((back.detach() - before).cpu(), (resumed.detach() - before).cpu())
+        back, opt_back = resumed_from(resumed, opt_resumed, torch.optim.Muon)
+        momentum, step = one_more_step((resumed, opt_resumed), (back, opt_back), grads[4].to(device))
         record(f"TorchMuon's state dict into torch.optim.Muon {rows}x{cols}", momentum < 1e-6 and step < 4 * between,
                f"next step's momentum {momentum:.2e} and update {step:.2e} from TorchMuon's")
+
+
+def resumed_from(param, optimizer, optimizer_class):
+    """A copy of `param` and an optimizer_class over it, of lr 0.5 until it loads `optimizer`'s
+    state dict. A copy of that, as from a file: a state dict holds the live buffers, which the
+    load would otherwise share."""
+    copied = torch.nn.Parameter(param.detach().clone())
+    resumed = optimizer_class([copied], lr=0.5)
+    resumed.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+    return copied, resumed
+
+
+def one_more_step(first, second, grad):
+    """Each (parameter, optimizer) takes a step on `grad` from the same weights: the second's
+    momentum and update, relative to the first's."""
+    before = first[0].detach().clone()
+    for param, optimizer in (first, second):
+        param.grad = grad.clone()
+        optimizer.step()
+    momentum = reference.relative_error(second[1].state[second[0]]["momentum_buffer"].cpu(),
+                                        first[1].state[first[0]]["momentum_buffer"].cpu())
+    update = reference.relative_error((second[0].detach() - before).cpu(), (first[0].detach() - before).cpu())
+    return momentum, update
 
 
 def main():
