@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import reference
+import reuse
 import shardmuon.torch as st
 
 # torch.optim.Muon's group keys (PyTorch 2.9 to 2.11), besides "params".
@@ -80,6 +81,7 @@ def test_group_values_under_torch_names_are_read_at_every_step():
     a, b = torch.nn.Parameter(weight.clone()), torch.nn.Parameter(weight.t().contiguous())
     optimizer = st.TorchMuon([{"params": [a]}, {"params": [b], "ns_steps": 3, "adjust_lr_fn": "match_rms_adamw"}],
                              lr=0.02, ns_dtype=None)
+    full_checks = reuse.count_full_checks(optimizer)
     changes = [{}, {"ns_steps": 4}, {"ns_coefficients": (3.0, -3.2, 1.2), "adjust_lr_fn": "original"}, {}]
     expected = [(weight, torch.zeros_like(weight)), (weight.t(), torch.zeros_like(weight.t()))]
     settings = [{}, {"ns_steps": 3, "adjust_lr_fn": "match_rms_adamw"}]
@@ -92,6 +94,7 @@ def test_group_values_under_torch_names_are_read_at_every_step():
                     for (w, m), grad, setting in zip(expected, (g, g.t()), settings)]
     for param, (w, _) in zip((a, b), expected):
         assert reference.relative_error(param.detach(), w) < 1e-11
+    assert len(full_checks) == 1, full_checks
 
 
 def test_bad_values_and_muons_own_names_are_refused():
