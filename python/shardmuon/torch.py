@@ -1087,7 +1087,7 @@ class TorchMuon(Muon):
                             "adjust_lr_fn, as in torch.optim.Muon")
         self._torch_defaults = {"ns_coefficients": ns_coefficients, "ns_steps": ns_steps,
                                 "adjust_lr_fn": adjust_lr_fn}
-        self._hyperparameters(dict(self._torch_defaults), "TorchMuon")
+        self._hyperparameters(self._torch_defaults, "TorchMuon")  # checked before any group takes them
         super().__init__(params, lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
                          eps=eps, ns_dtype=ns_dtype, **muon_kwargs)
         for key in _TORCH_DERIVED:

@@ -4,9 +4,10 @@ pieces, or uneven pieces given with from_local), on a 2 x 2 mesh (a split over o
 dimension or both, expert parallelism, replication, fused weights) and on half of a 2 x 2 x 2
 mesh (with and without a flattened group), every step against the float64 reference on the
 whole matrices, and plan() saying over how many ranks and under which placements; FSDP2,
-alone, over a 2D mesh (HSDP) and with tensor parallelism, against the whole model; the placements refused with an
-error on every rank; a step reusing the last one's arguments; the state dict and
-torch.distributed.checkpoint; and NewtonSchulz on a DTensor.
+alone, over a 2D mesh (HSDP) and with tensor parallelism, against the whole model; the
+placements refused with an error on every rank; a step reusing the last one's arguments; the
+state dict and torch.distributed.checkpoint (of Muon and TorchMuon); and NewtonSchulz on a
+DTensor.
 
 Needs PyTorch 2.1 or later (DTensor); Debian's PyTorch 1.13 skips this file, so these tests
 run on the lent GPU machine's PyTorch (docs/GPU_RUNS.md)."""
