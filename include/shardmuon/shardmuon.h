@@ -134,9 +134,10 @@ typedef enum shardmuon_schedule {
 
 /* How the orthogonalization of a sharded matrix is distributed (DESIGN.md section 3). */
 typedef enum shardmuon_ns_algorithm {
-  /* Let the library choose the distribution and, on it, the standard iteration or (e)'s
-   * (below) by its cost model: (e) where the long side is well above the short one. The
-   * others name the standard iteration, except GRAM_NEWTON_SCHULZ. */
+  /* Let the library choose the distribution and, on it, the standard iteration, (e)'s or (c)'s
+   * (below) by its cost model: (e) where the long side is well above the short one, (c) where
+   * a Gram summed over 3 or more ranks makes it cheaper. The others name the standard
+   * iteration, except GRAM_NEWTON_SCHULZ and GRAM_APPLIED_TWICE. */
   SHARDMUON_NS_AUTO = 0,
   /* (a) all-gather the matrix, run the whole iteration on every rank, keep the own shard. */
   SHARDMUON_NS_DUPLICATED = 1,
@@ -162,6 +163,15 @@ typedef enum shardmuon_ns_algorithm {
    * iterations (M = Q_k ... Q_0 amplifies its rounding errors otherwise), which keeps it as
    * accurate as the standard iteration. AUTO chooses it where it is cheaper. */
   SHARDMUON_NS_GRAM_NEWTON_SCHULZ = 4,
+  /* (c) the distribution of GRAM_ALLREDUCE, with each iteration applying the summed Gram A to
+   * the rank's block twice instead of forming A A: X <- a X + b A X + c A (A X), computed as
+   * Y = c (A - m I) X, X <- (A - m I) Y + d X with m = -b / (2c), d = a - b^2 / (4c) where c d
+   * > 0 (no cancellation; otherwise Y = c A X + b X, X <- A Y + a X). Per rank of P and
+   * iteration 5 s^2 L / P flops against 3 s^2 L / P + s^3 for (b), whose s^3 (A A) every rank
+   * repeats: fewer where s > 2 L / P, so from 3 ranks on for square matrices. The same
+   * communication as (b). On one rank (nothing to communicate) the whole matrix runs this
+   * iteration. AUTO chooses it where the cost model finds it cheaper. */
+  SHARDMUON_NS_GRAM_APPLIED_TWICE = 5,
   /* Reported by shardmuon_ns_plan only, never requested: */
   SHARDMUON_NS_LOCAL = 100, /* nothing to communicate: replicated, or a group of one */
   SHARDMUON_NS_GRAM_ALLREDUCE_REDISTRIBUTED = 101 /* (d): all-to-all, (b), all-to-all back */
@@ -372,6 +382,15 @@ SHARDMUON_API shardmuon_status shardmuon_ns_plan_gram_iteration(const shardmuon_
                                                                 int comm_size,
                                                                 const shardmuon_ns_options* options,
                                                                 int* gram_iteration);
+
+/* Whether that plan runs (c)'s iteration (*applied_twice = 1) or not (0): always 1 for
+ * GRAM_APPLIED_TWICE, never for DUPLICATED, GRAM_ALLREDUCE and GRAM_NEWTON_SCHULZ; for AUTO, 1
+ * where the cost model finds it cheaper on a Gram summed over the group. Local; no
+ * communication. */
+SHARDMUON_API shardmuon_status shardmuon_ns_plan_applied_twice(const shardmuon_layout* layout,
+                                                               int comm_size,
+                                                               const shardmuon_ns_options* options,
+                                                               int* applied_twice);
 
 /* The planner's estimate, in seconds, of the plan shardmuon_ns_plan and
  * shardmuon_ns_plan_gram_iteration report for these arguments: its cost model of bf16 on

@@ -19,7 +19,8 @@ FLOAT32, BFLOAT16, FLOAT64 = 0, 1, 2
 BACKEND_CPU, BACKEND_CUDA = 0, 1
 REPLICATED, SHARDED_DIM0, SHARDED_DIM1, SHARDED_FLAT = 0, 1, 2, 3
 SCHEDULES = {"simple": 0, "quintic": 1, "polar_express": 2, "cans": 3, "aol": 4, "custom": 5}
-ALGORITHMS = {"auto": 0, "duplicated": 1, "gram_allreduce": 2, "owner": 3, "gram_newton_schulz": 4}
+ALGORITHMS = {"auto": 0, "duplicated": 1, "gram_allreduce": 2, "owner": 3, "gram_newton_schulz": 4,
+              "gram_applied_twice": 5}
 # What shardmuon_ns_plan reports besides ALGORITHMS' codes.
 PLAN_NAMES = {1: "duplicated", 2: "gram_allreduce", 100: "local", 101: "gram_allreduce_redistributed"}
 WEIGHT_DECAY_MODES = {"decoupled": 0, "l2": 1, "independent": 2, "none": 3}

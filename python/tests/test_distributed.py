@@ -63,7 +63,7 @@ def test_sharded_parameters_match_the_whole_matrix_reference(world):
 
 
 @pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("algorithm", ["owner", "gram_allreduce", "duplicated"])
+@pytest.mark.parametrize("algorithm", ["owner", "gram_allreduce", "gram_applied_twice", "duplicated"])
 def test_every_distribution_matches_the_whole_matrix_reference(world, algorithm):
     launch(_sharded_steps, world, False, algorithm)
 

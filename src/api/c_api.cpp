@@ -33,6 +33,7 @@ const char* algorithm_name(int algorithm) {
     case SHARDMUON_NS_GRAM_ALLREDUCE: return "gram_allreduce";
     case SHARDMUON_NS_OWNER: return "owner";
     case SHARDMUON_NS_GRAM_NEWTON_SCHULZ: return "gram_newton_schulz";
+    case SHARDMUON_NS_GRAM_APPLIED_TWICE: return "gram_applied_twice";
   }
   return "unknown";
 }
@@ -65,8 +66,7 @@ PlannedMatrix plan_matrix(const shardmuon_layout* layout, int comm_size,
   PlannedMatrix planned;
   planned.layout = ShardLayout::from_api(*layout, comm_size);
   check_algorithm_fits_layout(options->algorithm, planned.layout, "options->algorithm, layout");
-  planned.plan =
-      plan_newton_schulz(planned.layout, comm_size, options->algorithm, options->num_iterations);
+  planned.plan = plan_newton_schulz(planned.layout, comm_size, *options);
   return planned;
 }
 
@@ -104,9 +104,8 @@ ValidatedNsCall validate_ns_call(shardmuon_context_t context, Communicator& comm
     call.backend->check_pointer(local_shard, "local_shard");
   }
 
-  call.problem = NsProblem{
-      dtype, shard_layout, coefficients_for(*options), options->eps,
-      plan_newton_schulz(shard_layout, comm.size(), options->algorithm, options->num_iterations)};
+  call.problem = NsProblem{dtype, shard_layout, coefficients_for(*options), options->eps,
+                           plan_newton_schulz(shard_layout, comm.size(), *options)};
 
   Digest digest;
   // The symmetric block width ($SHARDMUON_SYMMETRIC_BLOCK on CUDA) decides how a Gram sum is
@@ -510,7 +509,17 @@ shardmuon_status shardmuon_ns_plan_gram_iteration(const shardmuon_layout* layout
                                                   int* gram_iteration) {
   return api_guard(__func__, [&] {
     SHARDMUON_CHECK_ARG(gram_iteration != nullptr, "gram_iteration is NULL");
-    *gram_iteration = shardmuon::plan_matrix(layout, comm_size, options).plan.gram_iteration;
+    *gram_iteration = shardmuon::plan_matrix(layout, comm_size, options).plan.gram_iteration();
+  });
+}
+
+shardmuon_status shardmuon_ns_plan_applied_twice(const shardmuon_layout* layout, int comm_size,
+                                                 const shardmuon_ns_options* options,
+                                                 int* applied_twice) {
+  return api_guard(__func__, [&] {
+    SHARDMUON_CHECK_ARG(applied_twice != nullptr, "applied_twice is NULL");
+    *applied_twice = shardmuon::plan_matrix(layout, comm_size, options).plan.iteration ==
+                     shardmuon::NsPlan::Iteration::kAppliedTwice;
   });
 }
 

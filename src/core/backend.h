@@ -144,11 +144,12 @@ struct CommitPass {
   DeviceLearningRate device_lr;
 };
 
-// What mirror_lower sets on the diagonal first (nothing when squares is null): entry (i, i)
+// What mirror_lower sets on the diagonal first (nothing when addend is null): entry (i, i)
 // becomes shift + scale * addend[i, i] + square_scale * |column i of addend|^2, summed in the
 // accumulate dtype and rounded once to the matrix's dtype. addend is a full matrix of the
-// storage dtype; squares holds its column squares in parts (Backend::column_square_parts),
-// as the symmetric pass that made it wrote them.
+// storage dtype (it may be the matrix itself: each diagonal entry is read before it is
+// written); squares holds its column squares in parts (Backend::column_square_parts), as the
+// symmetric pass that made it wrote them, or is null: no square term.
 struct SymmetricDiagonal {
   const void* squares = nullptr;
   double square_scale = 0.0;

@@ -81,12 +81,11 @@ void check_buffer(const Backend& backend, const void* pointer, const char* field
 // rank's shard; a block of a dim-0 or flat shard lies on the ranks whose range it meets, in
 // pieces that are contiguous ranges of their shards (rows, or elements).
 std::vector<MuonParamPlan::RowBlock> split_rows(const NsProblem& whole, int64_t row_blocks,
-                                                shardmuon_ns_algorithm requested,
+                                                const shardmuon_ns_options& options,
                                                 const Communicator& comm) {
   const ShardLayout& layout = whole.layout;
   const int rank = comm.rank(), ranks = comm.size();
   const int64_t rows = layout.rows() / row_blocks, cols = layout.cols();
-  const int iterations = static_cast<int>(whole.coefficients.size());
   std::vector<MuonParamPlan::RowBlock> blocks(row_blocks);
   for (int64_t b = 0; b < row_blocks; ++b) {
     std::vector<int64_t> sizes(ranks, 0);
@@ -113,7 +112,7 @@ std::vector<MuonParamPlan::RowBlock> split_rows(const NsProblem& whole, int64_t 
     MuonParamPlan::RowBlock& block = blocks[b];
     block.ns = whole;
     block.ns.layout = ShardLayout::from_api(api, ranks);
-    block.ns.plan = plan_newton_schulz(block.ns.layout, ranks, requested, iterations);
+    block.ns.plan = plan_newton_schulz(block.ns.layout, ranks, options);
     block.offset = offset;
   }
   return blocks;
@@ -284,12 +283,11 @@ ValidatedMuonStep validate_muon_step(const Backend& backend, const Communicator&
     }
     const shardmuon_dtype ns_dtype = ns_dtype_of(group.ns_storage, p.dtype);
     backend.check_dtype(ns_dtype);
-    plan.ns = NsProblem{
-        ns_dtype, layout, coefficients_for(group.ns), group.ns.eps,
-        plan_newton_schulz(layout, comm.size(), group.ns.algorithm, group.ns.num_iterations)};
+    plan.ns = NsProblem{ns_dtype, layout, coefficients_for(group.ns), group.ns.eps,
+                        plan_newton_schulz(layout, comm.size(), group.ns)};
     plan.requested = group.ns.algorithm;
     if (row_blocks > 1) {
-      plan.row_blocks = split_rows(plan.ns, row_blocks, group.ns.algorithm, comm);
+      plan.row_blocks = split_rows(plan.ns, row_blocks, group.ns, comm);
     }
 
     digest.add(p.dtype).add(p.layout.rows).add(p.layout.cols).add(p.layout.partition);
@@ -333,8 +331,8 @@ bool batchable_together(const NsProblem& a, const NsProblem& b) {
   return a.plan.algorithm == NsPlan::Algorithm::kLocal &&
          b.plan.algorithm == NsPlan::Algorithm::kLocal && a.dtype == b.dtype &&
          a.layout.rows() == b.layout.rows() && a.layout.cols() == b.layout.cols() &&
-         a.layout.long_dim() == b.layout.long_dim() &&
-         a.plan.gram_iteration == b.plan.gram_iteration && a.eps == b.eps &&
+         a.layout.long_dim() == b.layout.long_dim() && a.plan.iteration == b.plan.iteration &&
+         a.eps == b.eps &&
          std::equal(a.coefficients.begin(), a.coefficients.end(), b.coefficients.begin(),
                     b.coefficients.end(), same);
 }
@@ -394,7 +392,7 @@ std::vector<OwnedMatrix> matrices_of(const MuonParamPlan& plan, size_t index) {
     m.whole.plan = NsPlan{};  // local
     if (may_choose_gram) {
       const LocalCosts costs = local_costs(m.whole, requested_gram ? flops_only : MachineModel{});
-      m.whole.plan.gram_iteration = costs.gram < costs.standard;
+      if (costs.gram < costs.standard) m.whole.plan.iteration = NsPlan::Iteration::kOnGram;
     }
     matrices.push_back(std::move(m));
   };
@@ -422,7 +420,7 @@ void plan_owners(ValidatedMuonStep& step, int ranks) {
   }
   auto local_seconds = [&](const OwnedMatrix& m) {
     const LocalCosts costs = local_costs(m.whole, machine);
-    return m.whole.plan.gram_iteration ? costs.gram : costs.standard;
+    return m.whole.plan.gram_iteration() ? costs.gram : costs.standard;
   };
   // Longest processing time first over the ranks; returns the makespan.
   auto assign = [&](std::vector<OwnedMatrix>& batch) {

@@ -2,6 +2,7 @@
 // Backend and Communicator interfaces. DESIGN.md section 3 names the algorithms:
 //   (a) duplicated: all-gather, full iteration everywhere, keep the own shard;
 //   (b) Gram all-reduce: blocks along the long side, the s x s Gram summed every iteration;
+//   (c) as (b), with the Gram applied to the block twice instead of squared;
 //   (d) shards along the short side moved to long-side blocks by all-to-all, (b), and back.
 #pragma once
 
@@ -22,18 +23,48 @@ struct NsPlan {
   Algorithm algorithm = Algorithm::kLocal;
   // (d): the shards lie along the short side and are moved to the long side and back.
   bool redistributes = false;
-  // (e) Gram Newton-Schulz: iterate on the s x s Gram matrix and apply the accumulated
-  // polynomial to X at the end (and at restarts), whatever the distribution.
-  bool gram_iteration = false;
+  // How each iteration runs on that distribution.
+  enum class Iteration {
+    // A = X X^T, P = a I + b A + c A A, X <- P X.
+    kStandard,
+    // (e) Gram Newton-Schulz: iterate on the s x s Gram matrix and apply the accumulated
+    // polynomial to X at the end (and at restarts).
+    kOnGram,
+    // (c): A applied to X twice (AppliedTwiceStep), no A A. Per rank of P it takes 5 s^2 L / P
+    // flops an iteration against the standard iteration's 3 s^2 L / P + s^3 (the s^3 of A A
+    // repeated on every rank): fewer where s > 2 L / P, from 3 ranks on for a square matrix.
+    kAppliedTwice,
+  };
+  Iteration iteration = Iteration::kStandard;
+  bool gram_iteration() const { return iteration == Iteration::kOnGram; }
+};
+
+// (c)'s products for one iteration's (a, b, c): with S = A + shift I,
+//   Y  = first_alpha S X + first_beta X,
+//   X' = S Y + second_beta X           (or X' = Y where one_product).
+// The iterate a X + b A X + c A A X is written so that the one rounded intermediate, Y, is no
+// larger than the result's polynomial where that has no real root: with c delta > 0 (delta = a
+// - b^2 / (4 c)), p(t) = a + b t + c t^2 = c (t - m)^2 + delta (m = -b / (2 c)), so Y = c (A - m
+// I) X and X' = (A - m I) Y + delta X, and |c (t - m)^2| < |p(t)| for every eigenvalue t of A:
+// no cancellation. Otherwise Y = c A X + b X and X' = A Y + a X; with c = 0, one product.
+// (Emulated in bf16 on 256 x 4096 with polar_express, the second form's error was 5.9x the
+// standard iteration's, the vertex form's 1.3x: polar_express's third step maps singular values
+// up to 1.9 through terms of size 5 to 8 that cancel to about 0.3.)
+struct AppliedTwiceStep {
+  double shift = 0.0, first_alpha = 0.0, first_beta = 0.0, second_beta = 0.0;
+  bool one_product = false;
+  static AppliedTwiceStep of(const Coefficients& coefficients);
 };
 
 // The algorithm for one matrix: the requested one, or for AUTO the cheaper of (a) and
-// (b)/(d) by the cost model (core/ns_cost_model.h). The same on every rank.
+// (b)/(d), each with the standard iteration or (e), and (b)/(d) with (c) too, by the cost model
+// (core/ns_cost_model.h). The same on every rank.
+// AUTO leaves (c) out for the CANS schedule (see plan_newton_schulz).
 NsPlan plan_newton_schulz(const ShardLayout& layout, int comm_size,
-                          shardmuon_ns_algorithm requested, int iterations);
+                          const shardmuon_ns_options& options);
 
 // Throws INVALID_ARGUMENT when the requested algorithm cannot run on the layout (the Gram
-// all-reduce on flat shards); `where` names the arguments in the message.
+// all-reduce, (b) or (c), on flat shards); `where` names the arguments in the message.
 void check_algorithm_fits_layout(shardmuon_ns_algorithm requested, const ShardLayout& layout,
                                  const std::string& where);
 

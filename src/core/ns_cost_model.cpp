@@ -67,11 +67,15 @@ double exposed_all_reduce_seconds(const ProductCosts& products, int ranks,
 
 // The iterations proper on an s x length block, every Gram summed over `ranks` (1: none).
 // The standard iteration: per step A = X X^T (lower tiles), P = a I + b A + c A A (lower
-// tiles), X <- P X, and two passes completing the symmetric matrices. (e): see NsCostInputs.
+// tiles), X <- P X, and two passes completing the symmetric matrices. (c) and (e): see
+// NsCostInputs.
 double iterations_seconds(int64_t s, int64_t length, int ranks, const NsCostInputs& inputs,
                           const MachineModel& machine) {
   const ProductCosts products = product_costs(s, length, ranks, machine);
   const double gram = products.gram + exposed_all_reduce_seconds(products, ranks, machine);
+  if (inputs.applied_twice) {
+    return inputs.iterations * (gram + 2 * products.apply + products.unpack);
+  }
   if (inputs.gram_iteration_restart <= 0) {
     return inputs.iterations * (gram + products.square + products.apply + 2 * products.unpack);
   }

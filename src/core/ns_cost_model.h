@@ -46,6 +46,9 @@ struct NsCostInputs {
   // matrices only. Cheaper than the standard iteration when the long side is well above the
   // short one (at 4096 x 28672, bf16, on one rank: about 0.7 of its time), dearer when square.
   int gram_iteration_restart = 0;
+  // (c) (newton_schulz.cpp iterate_applied_twice): per step the Gram (and its unpacking) and
+  // two products by X, no A A. For the standard iteration only (restart 0).
+  bool applied_twice = false;
 };
 
 // Estimated seconds of the whole matrix on one rank, no communication; of (a) duplicated; and

@@ -80,7 +80,7 @@ void validate_ns_options(const shardmuon_ns_options& options) {
   SHARDMUON_CHECK_ARG(std::isfinite(options.eps) && options.eps >= 0,
                       "options->eps must be finite and >= 0, got ", options.eps);
   SHARDMUON_CHECK_ARG(options.algorithm >= SHARDMUON_NS_AUTO &&
-                          options.algorithm <= SHARDMUON_NS_GRAM_NEWTON_SCHULZ,
+                          options.algorithm <= SHARDMUON_NS_GRAM_APPLIED_TWICE,
                       "options->algorithm is unknown: ", static_cast<int>(options.algorithm));
   if (options.schedule == SHARDMUON_SCHEDULE_CUSTOM) {
     SHARDMUON_CHECK_ARG(options.custom_coefficients != nullptr,

@@ -274,9 +274,11 @@ class CpuBackend final : public Backend {
     for (int64_t m = 0; m < batch; ++m) {
       const int64_t base = m * n * n;
       for (int64_t c = 0; c < n; ++c) {
-        if (diagonal.squares != nullptr) {
+        if (diagonal.addend != nullptr) {
           const int64_t at = base + c * n + c;
-          const double square = load_element(diagonal.squares, accumulate, m * n + c);
+          const double square = diagonal.squares == nullptr
+                                    ? 0.0
+                                    : load_element(diagonal.squares, accumulate, m * n + c);
           const double addend = load_element(diagonal.addend, dtype, at);
           const double value =
               wide ? diagonal.shift + diagonal.scale * addend + diagonal.square_scale * square

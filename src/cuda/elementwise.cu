@@ -319,8 +319,9 @@ __global__ void __launch_bounds__(kThreadsX* kThreadsY)
 
 // mirror_lower, one 64 x 64 tile pair per thread block as in unpack_symmetric_kernel: the lower
 // tile (I, J) is read into shared memory, then written transposed to tile (J, I), or, on a
-// diagonal tile, to its own upper triangle, whose diagonal is set first from the addend's
-// column squares (their parts, added in a fixed order) when there are some. Without
+// diagonal tile, to its own upper triangle, whose diagonal is set first when there is an
+// addend (and its column squares, their parts added in a fixed order, when there are some,
+// else none). Without
 // kStoreUpper (a product that wrote both triangles) nothing above the diagonal is written,
 // and a tile is read only for the squares.
 template <typename T, bool kStoreUpper>
@@ -343,12 +344,13 @@ __global__ void __launch_bounds__(kThreadsX* kThreadsY)
     tile[y][row_in_tile] = pair.x;  // above the diagonal where r + 1 == c: never read
     tile[y][row_in_tile + 1] = pair.y;
   }
-  // A diagonal tile whose diagonal is set: the addend's column squares, each from its parts,
-  // a quarter of them per thread (loads issued beside the tile's), the quarters then added.
+  // A diagonal tile whose diagonal is set: the addend's column squares (when there are some),
+  // each from its parts, a quarter of them per thread (loads issued beside the tile's), the
+  // quarters then added.
   __shared__ float scratch[8][kTile];
   const int thread = threadIdx.y * kThreadsX + threadIdx.x;
-  const bool sets_diagonal = tile_row == tile_col && squares_batch != nullptr;
-  if (sets_diagonal) {
+  const bool sets_diagonal = tile_row == tile_col && addend_batch != nullptr;
+  if (sets_diagonal && squares_batch != nullptr) {
     const int lane = thread % kTile, quarter = thread / kTile;
     float sum = 0.0f;
     if (col0 + lane < n) {
@@ -362,8 +364,10 @@ __global__ void __launch_bounds__(kThreadsX* kThreadsY)
   if (sets_diagonal) {
     const int64_t c = col0 + thread;
     if (thread < kTile && c < n) {
-      const float square =
-          ((scratch[0][thread] + scratch[1][thread]) + scratch[2][thread]) + scratch[3][thread];
+      const float square = squares_batch == nullptr
+                               ? 0.0f
+                               : ((scratch[0][thread] + scratch[1][thread]) + scratch[2][thread]) +
+                                     scratch[3][thread];
       const float addend = to_float(addend_batch[blockIdx.y * n * n + c * n + c]);
       const T value = from_float<T>(shift + scale * addend + square_scale * square);
       matrix[c * n + c] = value;
@@ -591,7 +595,7 @@ void mirror_lower_cuda(void* matrix, shardmuon_dtype dtype, int64_t n, int64_t b
                        const SymmetricDiagonal& diagonal, void* square_parts, bool upper_computed,
                        cudaStream_t stream) {
   if (n == 0 || batch == 0) return;
-  if (upper_computed && diagonal.squares == nullptr && square_parts == nullptr) return;
+  if (upper_computed && diagonal.addend == nullptr && square_parts == nullptr) return;
   if (n % 2 != 0) fail(SHARDMUON_ERROR_INTERNAL, "mirror_lower_cuda takes an even side, not ", n);
   dim3 grid = lower_tile_grid(n, batch);
   // With nothing to store above the diagonal and no squares, only the diagonal tiles have

@@ -52,6 +52,7 @@ const char* algorithm_label(shardmuon_ns_algorithm algorithm) {
   return algorithm == SHARDMUON_NS_AUTO                 ? "auto"
          : algorithm == SHARDMUON_NS_DUPLICATED         ? "duplicated"
          : algorithm == SHARDMUON_NS_GRAM_NEWTON_SCHULZ ? "gramns"
+         : algorithm == SHARDMUON_NS_GRAM_APPLIED_TWICE ? "twice"
                                                         : "gram";
 }
 
@@ -106,13 +107,14 @@ std::vector<LayoutCase> layout_cases() {
             if (p == 1 && pattern != ShardPattern::kBalanced) continue;  // all the same at P = 1
             for (shardmuon_ns_algorithm algorithm :
                  {SHARDMUON_NS_AUTO, SHARDMUON_NS_DUPLICATED, SHARDMUON_NS_GRAM_ALLREDUCE,
-                  SHARDMUON_NS_GRAM_NEWTON_SCHULZ}) {
+                  SHARDMUON_NS_GRAM_NEWTON_SCHULZ, SHARDMUON_NS_GRAM_APPLIED_TWICE}) {
               // Flat shards (element ranges that start and end inside rows) are gathered:
-              // AUTO and DUPLICATED are the same plan, and the Gram all-reduce is refused
-              // (BadInput checks the message).
+              // AUTO and DUPLICATED are the same plan, and the Gram all-reduce, (b) or (c), is
+              // refused (BadInput checks the message).
               const bool flat = partition == SHARDMUON_SHARDED_FLAT;
               if (flat && (algorithm == SHARDMUON_NS_DUPLICATED ||
-                           algorithm == SHARDMUON_NS_GRAM_ALLREDUCE)) {
+                           algorithm == SHARDMUON_NS_GRAM_ALLREDUCE ||
+                           algorithm == SHARDMUON_NS_GRAM_APPLIED_TWICE)) {
                 continue;
               }
               cases.push_back({shape, partition, p, pattern, algorithm, dtype});
@@ -180,6 +182,10 @@ struct ScheduleCase {
   shardmuon_dtype dtype;
   shardmuon_partition partition;
   int group_size;
+  // AUTO, or (c), whose products take each schedule's steps in one of three forms
+  // (AppliedTwiceStep): the custom schedule's second step (c = 0) in one product, aol's first
+  // step (real roots) as c A X + b X, the others in the vertex form.
+  shardmuon_ns_algorithm algorithm = SHARDMUON_NS_AUTO;
 };
 
 // Each schedule at its standard length and at a longer one that runs past its table (cycled
@@ -206,8 +212,15 @@ std::vector<ScheduleCase> schedule_cases() {
       if (s.longer != s.standard && dtype != SHARDMUON_BFLOAT16) lengths.push_back(s.longer);
       for (int iterations : lengths)
         for (shardmuon_partition partition : {SHARDMUON_SHARDED_DIM0, SHARDMUON_SHARDED_DIM1})
-          for (int p = 1; p <= 4; ++p)
+          for (int p = 1; p <= 4; ++p) {
             cases.push_back({s.schedule, iterations, dtype, partition, p});
+            // (c) but CANS in bf16, which AUTO never runs under (c): its near double roots
+            // take (c)'s error to 0.17-0.57 here (plan_newton_schulz).
+            if (s.schedule != SHARDMUON_SCHEDULE_CANS || dtype != SHARDMUON_BFLOAT16) {
+              cases.push_back(
+                  {s.schedule, iterations, dtype, partition, p, SHARDMUON_NS_GRAM_APPLIED_TWICE});
+            }
+          }
     }
   }
   return cases;
@@ -219,11 +232,13 @@ std::string schedule_case_name(const ::testing::TestParamInfo<ScheduleCase>& inf
   std::ostringstream name;
   name << names[c.schedule] << c.iterations << "_" << dtype_label(c.dtype) << "_"
        << partition_label(c.partition) << "_P" << c.group_size;
+  if (c.algorithm != SHARDMUON_NS_AUTO) name << "_" << algorithm_label(c.algorithm);
   return name.str();
 }
 
-// An arbitrary, convergent custom schedule.
-const std::vector<Triple> kCustom = {{3.0, -3.2, 1.1}, {2.5, -2.8, 1.0}, {1.875, -1.25, 0.375}};
+// An arbitrary, convergent custom schedule; its second step is the cubic Newton-Schulz step (c
+// = 0), which (c) takes in one product.
+const std::vector<Triple> kCustom = {{3.0, -3.2, 1.1}, {1.5, -0.5, 0.0}, {1.875, -1.25, 0.375}};
 
 class NewtonSchulzSchedules : public DistributedTest,
                               public ::testing::WithParamInterface<ScheduleCase> {};
@@ -234,7 +249,7 @@ TEST_P(NewtonSchulzSchedules, MatchesGatheredReference) {
   REQUIRE_GROUP(c.group_size);
   const Shape shape{67, 131};
   const Matrix input = input_for(shape, c.dtype);
-  shardmuon_ns_options options = make_options(c.schedule, c.iterations, SHARDMUON_NS_AUTO);
+  shardmuon_ns_options options = make_options(c.schedule, c.iterations, c.algorithm);
   std::vector<double> flat;
   std::vector<Triple> coefficients;
   if (c.schedule == SHARDMUON_SCHEDULE_CUSTOM) {
@@ -536,7 +551,8 @@ TEST_F(NewtonSchulzInvariants, MultiBlockProductsOnTheGpuMatchTheOracle) {
       if (p > 2) return;
       for (const shardmuon_partition partition : {SHARDMUON_SHARDED_DIM0, SHARDMUON_SHARDED_DIM1}) {
         for (const shardmuon_ns_algorithm algorithm :
-             {SHARDMUON_NS_AUTO, SHARDMUON_NS_GRAM_ALLREDUCE, SHARDMUON_NS_GRAM_NEWTON_SCHULZ}) {
+             {SHARDMUON_NS_AUTO, SHARDMUON_NS_GRAM_ALLREDUCE, SHARDMUON_NS_GRAM_NEWTON_SCHULZ,
+              SHARDMUON_NS_GRAM_APPLIED_TWICE}) {
           const int64_t extent = sharded_extent(shape.rows, shape.cols, partition);
           const std::vector<int64_t> sizes = pattern_sizes(ShardPattern::kUneven, extent, p);
           const NsRun run =

@@ -14,22 +14,28 @@ namespace {
 
 class Schedules : public DistributedTest {};
 
-// What shardmuon_ns_plan and shardmuon_ns_plan_gram_iteration report for these arguments
-// (the default options otherwise).
+// What shardmuon_ns_plan, shardmuon_ns_plan_gram_iteration and shardmuon_ns_plan_applied_twice
+// report for these arguments (the default options otherwise).
 struct ReportedPlan {
   shardmuon_ns_algorithm algorithm = SHARDMUON_NS_AUTO;
   int gram_iteration = -1;
+  int applied_twice = -1;
 };
 ReportedPlan plan_of(int64_t rows, int64_t cols, shardmuon_partition partition, int ranks,
-                     shardmuon_ns_algorithm requested) {
+                     shardmuon_ns_algorithm requested,
+                     shardmuon_schedule schedule = SHARDMUON_SCHEDULE_QUINTIC) {
   shardmuon_ns_options options;
   shardmuon_ns_options_default(&options);
   options.algorithm = requested;
+  options.schedule = schedule;
   const shardmuon_layout layout{rows, cols, partition, ranks, nullptr};
   ReportedPlan plan;
   EXPECT_EQ(shardmuon_ns_plan(&layout, ranks, &options, &plan.algorithm), SHARDMUON_SUCCESS)
       << shardmuon_last_error();
   EXPECT_EQ(shardmuon_ns_plan_gram_iteration(&layout, ranks, &options, &plan.gram_iteration),
+            SHARDMUON_SUCCESS)
+      << shardmuon_last_error();
+  EXPECT_EQ(shardmuon_ns_plan_applied_twice(&layout, ranks, &options, &plan.applied_twice),
             SHARDMUON_SUCCESS)
       << shardmuon_last_error();
   return plan;
@@ -159,7 +165,8 @@ TEST_F(Schedules, PlansFollowTheLayout) {
     EXPECT_GT(chosen, 0.0);
     EXPECT_EQ(chosen,
               std::min({estimate(SHARDMUON_NS_DUPLICATED), estimate(SHARDMUON_NS_GRAM_ALLREDUCE),
-                        estimate(SHARDMUON_NS_GRAM_NEWTON_SCHULZ)}))
+                        estimate(SHARDMUON_NS_GRAM_NEWTON_SCHULZ),
+                        estimate(SHARDMUON_NS_GRAM_APPLIED_TWICE)}))
         << "side " << side;
   }
   EXPECT_EQ(plan(64, 257, SHARDMUON_SHARDED_DIM1, 1, SHARDMUON_NS_DUPLICATED), SHARDMUON_NS_LOCAL);
@@ -180,6 +187,62 @@ TEST_F(Schedules, PlansFollowTheLayout) {
   EXPECT_LT(long_ratio, 0.8);
   EXPECT_GE(local_seconds(4096, 4096, SHARDMUON_NS_GRAM_NEWTON_SCHULZ),
             local_seconds(4096, 4096, SHARDMUON_NS_DUPLICATED));
+}
+
+// (c) takes 5 s^2 L / P flops a rank and iteration against (b)'s 3 s^2 L / P + s^3: AUTO runs it
+// on a Gram summed over the group where s > 2 L / P (square matrices from 3 ranks on), never
+// on one rank, where it is never fewer flops, and never for CANS (plan_newton_schulz says why).
+TEST_F(Schedules, AutoAppliesTheGramTwiceWhereItIsCheaper) {
+  auto twice = [](int64_t rows, int64_t cols, shardmuon_partition partition, int ranks,
+                  shardmuon_ns_algorithm requested,
+                  shardmuon_schedule schedule = SHARDMUON_SCHEDULE_QUINTIC) {
+    const ReportedPlan plan = plan_of(rows, cols, partition, ranks, requested, schedule);
+    EXPECT_FALSE(plan.applied_twice == 1 && plan.gram_iteration == 1);
+    return plan.applied_twice;
+  };
+  const shardmuon_ns_algorithm automatic = SHARDMUON_NS_AUTO;
+  for (const shardmuon_partition partition : {SHARDMUON_SHARDED_DIM0, SHARDMUON_SHARDED_DIM1}) {
+    for (const int ranks : {4, 8}) {
+      EXPECT_EQ(twice(8192, 8192, partition, ranks, automatic), 1) << ranks;
+      EXPECT_EQ(twice(16384, 16384, partition, ranks, automatic), 1) << ranks;
+      EXPECT_EQ(plan_of(8192, 8192, partition, ranks, automatic).algorithm,
+                SHARDMUON_NS_GRAM_ALLREDUCE);
+      EXPECT_EQ(twice(8192, 8192, partition, ranks, automatic, SHARDMUON_SCHEDULE_CANS), 0);
+    }
+    // s < 2 L / P: (b), or (e) on a long side.
+    EXPECT_EQ(twice(8192, 28672, partition, 2, automatic), 0);
+    EXPECT_EQ(twice(28672, 8192, partition, 2, automatic), 0);
+    EXPECT_EQ(twice(4096, 14336, partition, 4, automatic), 0);
+    // Where the planner gathers small matrices, there is no summed Gram.
+    EXPECT_EQ(twice(256, 256, partition, 8, automatic), 0);
+    // The other requests decide it themselves.
+    EXPECT_EQ(twice(8192, 8192, partition, 8, SHARDMUON_NS_GRAM_ALLREDUCE), 0);
+    EXPECT_EQ(twice(8192, 8192, partition, 8, SHARDMUON_NS_DUPLICATED), 0);
+    EXPECT_EQ(twice(8192, 8192, partition, 8, SHARDMUON_NS_GRAM_NEWTON_SCHULZ), 0);
+    EXPECT_EQ(twice(64, 257, partition, 2, SHARDMUON_NS_GRAM_APPLIED_TWICE), 1);
+    EXPECT_EQ(
+        twice(64, 257, partition, 2, SHARDMUON_NS_GRAM_APPLIED_TWICE, SHARDMUON_SCHEDULE_CANS), 1);
+  }
+  // One rank: never under AUTO (a square matrix too); where requested, the whole matrix.
+  EXPECT_EQ(twice(8192, 8192, SHARDMUON_REPLICATED, 1, automatic), 0);
+  EXPECT_EQ(twice(64, 64, SHARDMUON_REPLICATED, 1, automatic), 0);
+  EXPECT_EQ(twice(64, 64, SHARDMUON_REPLICATED, 1, SHARDMUON_NS_GRAM_APPLIED_TWICE), 1);
+  EXPECT_EQ(plan_of(64, 64, SHARDMUON_REPLICATED, 1, SHARDMUON_NS_GRAM_APPLIED_TWICE).algorithm,
+            SHARDMUON_NS_LOCAL);
+  // Flat shards hold no block of the long side: refused, naming the request.
+  shardmuon_ns_options options;
+  shardmuon_ns_options_default(&options);
+  options.algorithm = SHARDMUON_NS_GRAM_APPLIED_TWICE;
+  const shardmuon_layout flat{64, 64, SHARDMUON_SHARDED_FLAT, 2, nullptr};
+  shardmuon_ns_algorithm chosen = SHARDMUON_NS_AUTO;
+  EXPECT_EQ(shardmuon_ns_plan(&flat, 2, &options, &chosen), SHARDMUON_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(shardmuon_last_error()).find("algorithm GRAM_APPLIED_TWICE needs shards"),
+            std::string::npos)
+      << shardmuon_last_error();
+  const shardmuon_layout whole{64, 64, SHARDMUON_REPLICATED, 1, nullptr};
+  EXPECT_EQ(shardmuon_ns_plan_applied_twice(&whole, 1, &options, nullptr),
+            SHARDMUON_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(shardmuon_last_error()).find("applied_twice is NULL"), std::string::npos);
 }
 
 TEST_F(Schedules, AutoRunsTheGramIterationWhereItIsCheaper) {
