@@ -1,12 +1,15 @@
-"""Accuracy of the standard Newton-Schulz iteration against Gram Newton-Schulz ((e)) on
-matrices with hard spectra, each against a float64 run of the same iteration (the same
-schedule's coefficients on the float64 matrix). Runs on whatever device is given (CPU by
-default, where bf16 is the CPU backend's emulation: bf16 storage, float32 arithmetic).
+"""Accuracy of the standard Newton-Schulz iteration against Gram Newton-Schulz ((e)) and the
+Gram applied twice ((c)) on matrices with hard spectra, each against a float64 run of the same
+iteration (the same schedule's coefficients on the float64 matrix). On one rank a request for
+(c) runs the whole matrix with its iteration: the same products as on a group, but the Gram
+is not a sum of partial ones. Runs on whatever device is given (CPU by default, where bf16 is
+the CPU backend's emulation: bf16 storage, float32 arithmetic).
 
-    SHARDMUON_LIBRARY=build/libshardmuon.so python3 bench/ns_accuracy.py [--device cuda]
+    SHARDMUON_LIBRARY=build/libshardmuon.so python3 bench/ns_accuracy.py [--device cuda] \
+        [--schedules quintic:5,polar_express:8] [--algorithms gram_newton_schulz,gram_applied_twice]
 
-Prints one row per spectrum, dtype and schedule: the relative Frobenius error of each
-algorithm and their ratio.
+Prints one row per spectrum, dtype and schedule: the relative Frobenius error of the standard
+iteration ("duplicated" names it on one rank) and of each algorithm, with its ratio to it.
 """
 import argparse
 import os
@@ -58,25 +61,29 @@ def main():
     parser.add_argument("--shape", default="256x1024")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--schedules", default="quintic:5,polar_express:8")
+    parser.add_argument("--algorithms", default="gram_newton_schulz,gram_applied_twice")
     args = parser.parse_args()
     rows, cols = (int(x) for x in args.shape.split("x"))
     generator = torch.Generator().manual_seed(args.seed)
     dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
-    print("| spectrum | dtype | schedule | standard | (e) | (e) / standard |")
-    print("|---|---|---|---|---|---|")
+    schedules = [(name, int(steps)) for name, steps in (item.split(":") for item in args.schedules.split(","))]
+    algorithms = args.algorithms.split(",")
+    print("| spectrum | dtype | schedule | standard | " + " | ".join(f"{a} | / standard" for a in algorithms) + " |")
+    print("|---|---|---|---|" + "---|---|" * len(algorithms))
     for name, matrix in spectra(rows, cols, generator).items():
         for label, dtype in dtypes.items():
-            for schedule, steps in (("quintic", 5), ("polar_express", 8)):
+            for schedule, steps in schedules:
                 errors = []
-                for algorithm in ("auto", "gram_newton_schulz"):
+                for algorithm in ["duplicated"] + algorithms:
                     ns = NewtonSchulz(None, ns_steps=steps, coefficient_type=schedule, algorithm=algorithm)
                     exact = float64_iteration(matrix, ns.coefficients(), 1e-7)
                     shard = matrix.to(dtype).to(args.device).contiguous()
                     ns(shard, (rows, cols))
                     result = shard.to("cpu", torch.float64)
                     errors.append(((result - exact).norm() / exact.norm()).item())
-                print(f"| {name} | {label} | {schedule} {steps} | {errors[0]:.2e} | {errors[1]:.2e} | "
-                      f"{errors[1] / errors[0]:.2f} |")
+                cells = " | ".join(f"{e:.2e} | {e / errors[0]:.2f}" for e in errors[1:])
+                print(f"| {name} | {label} | {schedule} {steps} | {errors[0]:.2e} | {cells} |")
 
 
 if __name__ == "__main__":

@@ -170,7 +170,9 @@ typedef enum shardmuon_ns_algorithm {
    * iteration 5 s^2 L / P flops against 3 s^2 L / P + s^3 for (b), whose s^3 (A A) every rank
    * repeats: fewer where s > 2 L / P, so from 3 ranks on for square matrices. The same
    * communication as (b). On one rank (nothing to communicate) the whole matrix runs this
-   * iteration. AUTO chooses it where the cost model finds it cheaper. */
+   * iteration. AUTO chooses it where the cost model finds it cheaper, never for the CANS
+   * schedule, which it refuses (INVALID_ARGUMENT): near double roots of CANS's steps lose
+   * bf16 accuracy in this form. */
   SHARDMUON_NS_GRAM_APPLIED_TWICE = 5,
   /* Reported by shardmuon_ns_plan only, never requested: */
   SHARDMUON_NS_LOCAL = 100, /* nothing to communicate: replicated, or a group of one */

@@ -82,6 +82,13 @@ void validate_ns_options(const shardmuon_ns_options& options) {
   SHARDMUON_CHECK_ARG(options.algorithm >= SHARDMUON_NS_AUTO &&
                           options.algorithm <= SHARDMUON_NS_GRAM_APPLIED_TWICE,
                       "options->algorithm is unknown: ", static_cast<int>(options.algorithm));
+  // (c) on CANS: its near double roots (newton_schulz.cpp, plan_newton_schulz) took bf16 errors
+  // from 4e-2 to 0.4 on a Gaussian 64 x 200 and to 5e2 on a rank-8 one (bench/ns_accuracy.py).
+  SHARDMUON_CHECK_ARG(!(options.algorithm == SHARDMUON_NS_GRAM_APPLIED_TWICE &&
+                        options.schedule == SHARDMUON_SCHEDULE_CANS),
+                      "options->algorithm GRAM_APPLIED_TWICE does not take options->schedule CANS "
+                      "(near double roots: it loses bf16 accuracy there); use AUTO or "
+                      "GRAM_ALLREDUCE");
   if (options.schedule == SHARDMUON_SCHEDULE_CUSTOM) {
     SHARDMUON_CHECK_ARG(options.custom_coefficients != nullptr,
                         "options->custom_coefficients is NULL for the custom schedule");

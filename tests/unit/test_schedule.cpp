@@ -220,8 +220,6 @@ TEST_F(Schedules, AutoAppliesTheGramTwiceWhereItIsCheaper) {
     EXPECT_EQ(twice(8192, 8192, partition, 8, SHARDMUON_NS_DUPLICATED), 0);
     EXPECT_EQ(twice(8192, 8192, partition, 8, SHARDMUON_NS_GRAM_NEWTON_SCHULZ), 0);
     EXPECT_EQ(twice(64, 257, partition, 2, SHARDMUON_NS_GRAM_APPLIED_TWICE), 1);
-    EXPECT_EQ(
-        twice(64, 257, partition, 2, SHARDMUON_NS_GRAM_APPLIED_TWICE, SHARDMUON_SCHEDULE_CANS), 1);
   }
   // One rank: never under AUTO (a square matrix too); where requested, the whole matrix.
   EXPECT_EQ(twice(8192, 8192, SHARDMUON_REPLICATED, 1, automatic), 0);
@@ -240,6 +238,16 @@ TEST_F(Schedules, AutoAppliesTheGramTwiceWhereItIsCheaper) {
             std::string::npos)
       << shardmuon_last_error();
   const shardmuon_layout whole{64, 64, SHARDMUON_REPLICATED, 1, nullptr};
+  // CANS is refused under (c), naming both arguments.
+  options.schedule = SHARDMUON_SCHEDULE_CANS;
+  int applied_twice = -1;
+  EXPECT_EQ(shardmuon_ns_plan_applied_twice(&whole, 1, &options, &applied_twice),
+            SHARDMUON_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(shardmuon_last_error())
+                .find("options->algorithm GRAM_APPLIED_TWICE does not take options->schedule CANS"),
+            std::string::npos)
+      << shardmuon_last_error();
+  options.schedule = SHARDMUON_SCHEDULE_QUINTIC;
   EXPECT_EQ(shardmuon_ns_plan_applied_twice(&whole, 1, &options, nullptr),
             SHARDMUON_ERROR_INVALID_ARGUMENT);
   EXPECT_NE(std::string(shardmuon_last_error()).find("applied_twice is NULL"), std::string::npos);
