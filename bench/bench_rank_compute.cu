@@ -27,7 +27,6 @@
 #include "comm/communicator.h"
 #include "core/layout.h"
 #include "core/newton_schulz.h"
-#include "core/ns_cost_model.h"
 #include "core/schedule.h"
 #include "cuda/cuda_backend.h"
 

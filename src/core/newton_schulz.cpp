@@ -1074,8 +1074,9 @@ NsPlan plan_newton_schulz(const ShardLayout& layout, int comm_size,
   // Not CANS under AUTO: its second and third steps (4.18, -3.11, 0.58), (3.96, -2.95, 0.56)
   // have near double roots (delta / a = 0.005, 0.022), where the shifted Gram's rounding in bf16,
   // amplified by the schedule's sensitivity there, took (c)'s error on 67 x 131 to 0.17-0.57 of
-  // the result's norm against the standard iteration's 0.024 (the tests' NewtonSchulzSchedules).
-  // The dtype is not known here, and a plan must not depend on it, so float32 is left out too.
+  // the result's norm against the standard iteration's 0.024 (docs/DESIGN_NOTES.md). The dtype
+  // is not known here, and a plan must not depend on it, so float32 is left out too; a request
+  // for (c) with CANS is refused (validate_ns_options).
   if (requested == SHARDMUON_NS_AUTO && options.schedule == SHARDMUON_SCHEDULE_CANS) {
     iteration_kinds = {Iteration::kStandard, Iteration::kOnGram};
   }
