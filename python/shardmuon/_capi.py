@@ -218,6 +218,11 @@ _signatures = {
         [ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(MuonParam), ctypes.c_int,
          ctypes.POINTER(MuonGroup), ctypes.c_int, ctypes.POINTER(ctypes.c_int)],
     ),
+    "shardmuon_muon_plan_applied_twice": (
+        _c_status,
+        [ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(MuonParam), ctypes.c_int,
+         ctypes.POINTER(MuonGroup), ctypes.c_int, ctypes.POINTER(ctypes.c_int)],
+    ),
     "shardmuon_muon_save": (
         _c_status,
         [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p, ctypes.POINTER(MuonParam),

@@ -841,7 +841,9 @@ class Muon(torch.optim.Optimizer):
         {"algorithm": "local", "duplicated", "gram_allreduce", "gram_allreduce_redistributed" or
         "owner", "owner": the rank that orthogonalizes it under "owner" (else None; a rank of
         the group the parameter is stepped over),
-        "gram_iteration": whether it runs Gram Newton-Schulz ((e)), "group_size": the ranks of
+        "gram_iteration": whether it runs Gram Newton-Schulz ((e)), "applied_twice": whether it
+        runs (c)'s iteration (the summed Gram applied twice, on "gram_allreduce"'s distribution,
+        or on the whole matrix where "local"), "group_size": the ranks of
         the process group it is stepped over (a DTensor's: those of its cut mesh dimensions), and
         "redistributed": the placements a DTensor parameter is redistributed to for the
         step (a Replicate() among them where it is gathered), or None}.
@@ -861,16 +863,21 @@ class Muon(torch.optim.Optimizer):
             algorithms = (ctypes.c_int * len(bucket))()
             owners = (ctypes.c_int * len(bucket))()
             gram = (ctypes.c_int * len(bucket))()
+            twice = (ctypes.c_int * len(bucket))()
             c.check(c.lib.shardmuon_muon_plan(context.handle, comm.handle, params, len(bucket), groups,
                                               len(self.param_groups), algorithms, owners))
             c.check(c.lib.shardmuon_muon_plan_gram_iteration(context.handle, comm.handle, params,
                                                              len(bucket), groups, len(self.param_groups),
                                                              gram))
+            c.check(c.lib.shardmuon_muon_plan_applied_twice(context.handle, comm.handle, params,
+                                                            len(bucket), groups, len(self.param_groups),
+                                                            twice))
             # Owners are ranks of the parameter's process group.
             for i, e in enumerate(bucket):
                 result[e["name"]] = {"algorithm": names.get(algorithms[i], str(algorithms[i])),
                                      "owner": owners[i] if owners[i] >= 0 else None,
                                      "gram_iteration": bool(gram[i]),
+                                     "applied_twice": bool(twice[i]),
                                      "group_size": group_size(e["process_group"]),
                                      "redistributed": e["regroup"]}
         return {e["name"].label: result[e["name"]] for e in entries}
@@ -1271,35 +1278,39 @@ class NewtonSchulz:
         kind = {0: c.SHARDED_DIM0, 1: c.SHARDED_DIM1, "flat": c.SHARDED_FLAT}[partition_dim]
         return c.Layout(rows, cols, kind, len(shard_sizes), array)
 
-    def plan(self, shape, partition_dim=None, shard_sizes=None) -> str:
-        """The algorithm a call with these arguments runs (no communication)."""
+    def _ask_planner(self, function, result, shape, partition_dim, shard_sizes):
+        """Calls one of the library's planner queries (function(layout, comm_size, options,
+        &result)) for a call with these arguments, and returns result's value."""
         keepalive = []
         layout = self._layout(shape, partition_dim, shard_sizes, keepalive, self.process_group)
-        chosen = ctypes.c_int()
-        c.check(c.lib.shardmuon_ns_plan(ctypes.byref(layout), group_size(self.process_group),
-                                        ctypes.byref(self._options), ctypes.byref(chosen)))
-        return c.PLAN_NAMES.get(chosen.value, str(chosen.value))
+        c.check(function(ctypes.byref(layout), group_size(self.process_group), ctypes.byref(self._options),
+                         ctypes.byref(result)))
+        return result.value
+
+    def plan(self, shape, partition_dim=None, shard_sizes=None) -> str:
+        """The algorithm a call with these arguments runs (no communication)."""
+        chosen = self._ask_planner(c.lib.shardmuon_ns_plan, ctypes.c_int(), shape, partition_dim, shard_sizes)
+        return c.PLAN_NAMES.get(chosen, str(chosen))
 
     def uses_gram_iteration(self, shape, partition_dim=None, shard_sizes=None) -> bool:
         """Whether that call runs (e)'s Gram iteration on the distribution plan() names (always
         under algorithm="gram_newton_schulz"; under "auto" where the cost model finds it
         cheaper) rather than the standard iteration (no communication)."""
-        keepalive = []
-        layout = self._layout(shape, partition_dim, shard_sizes, keepalive, self.process_group)
-        chosen = ctypes.c_int()
-        c.check(c.lib.shardmuon_ns_plan_gram_iteration(
-            ctypes.byref(layout), group_size(self.process_group), ctypes.byref(self._options),
-            ctypes.byref(chosen)))
-        return bool(chosen.value)
+        return bool(self._ask_planner(c.lib.shardmuon_ns_plan_gram_iteration, ctypes.c_int(), shape,
+                                      partition_dim, shard_sizes))
+
+    def uses_applied_twice(self, shape, partition_dim=None, shard_sizes=None) -> bool:
+        """Whether that call runs (c)'s iteration, the summed Gram applied twice (always under
+        algorithm="gram_applied_twice"; under "auto" where the cost model finds it cheaper on a
+        Gram summed over the process group: from 3 ranks on for large square matrices)
+        (no communication)."""
+        return bool(self._ask_planner(c.lib.shardmuon_ns_plan_applied_twice, ctypes.c_int(), shape,
+                                      partition_dim, shard_sizes))
 
     def estimate_seconds(self, shape, partition_dim=None, shard_sizes=None) -> float:
         """The planner's cost-model estimate for that call (bf16 on H200-class GPUs)."""
-        keepalive = []
-        layout = self._layout(shape, partition_dim, shard_sizes, keepalive, self.process_group)
-        seconds = ctypes.c_double()
-        c.check(c.lib.shardmuon_ns_estimate(ctypes.byref(layout), group_size(self.process_group),
-                                            ctypes.byref(self._options), ctypes.byref(seconds)))
-        return seconds.value
+        return self._ask_planner(c.lib.shardmuon_ns_estimate, ctypes.c_double(), shape, partition_dim,
+                                 shard_sizes)
 
     @torch.no_grad()
     def __call__(self, shard: torch.Tensor, shape=None, partition_dim=None, shard_sizes=None) -> torch.Tensor:

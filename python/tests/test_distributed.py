@@ -121,21 +121,39 @@ def _plan(rank, world):
         params.append(p)
     lone = torch.nn.Parameter(torch.randn(24, 16, generator=generator))  # replicated, no grad
     lone.partition_dim = -1
+    twice = torch.nn.Parameter(shard_of(torch.randn(30, 20, generator=generator), 0, split(30, [1] * world), rank))
+    twice.partition_dim = 0
+    twice.grad = torch.randn_like(twice)
     optimizer = st.Muon([{"params": params, "algorithm": "gram_newton_schulz"},
-                         {"params": [lone], "algorithm": "duplicated"}], process_group=dist.group.WORLD)
+                         {"params": [lone], "algorithm": "duplicated"},
+                         {"params": [twice], "algorithm": "gram_applied_twice"}], process_group=dist.group.WORLD)
     before = [p.detach().clone() for p in params]
     plan = optimizer.plan()
-    assert len(plan) == len(params) + 1
+    assert len(plan) == len(params) + 2
     for i, p in enumerate(params):
         entry = plan[f"param_groups[0]['params'][{i}]"]
         # Small matrices in a batch go to owners; (e) where it is fewer flops: the long ones.
         assert entry["algorithm"] == "owner", entry
         assert entry["owner"] in range(world), entry
         assert entry["gram_iteration"] == (i % 2 == 0), (i, entry)
+        assert not entry["applied_twice"], (i, entry)
         assert entry["group_size"] == world and entry["redistributed"] is None, entry
         assert torch.equal(p.detach(), before[i])  # no step taken
     assert plan["param_groups[1]['params'][0]"] == {"algorithm": "local", "owner": None, "gram_iteration": False,
+                                                    "applied_twice": False, "group_size": world,
+                                                    "redistributed": None}
+    # (c) runs on the Gram all-reduce's distribution, which plan() names.
+    assert plan["param_groups[2]['params'][0]"] == {"algorithm": "gram_allreduce", "owner": None,
+                                                    "gram_iteration": False, "applied_twice": True,
                                                     "group_size": world, "redistributed": None}
+    ns = st.NewtonSchulz(dist.group.WORLD)
+    assert ns.uses_applied_twice((30, 20), 0, split(30, [1] * world)) is False  # AUTO gathers it
+    assert st.NewtonSchulz(dist.group.WORLD, algorithm="gram_applied_twice").uses_applied_twice((30, 20), 0)
+    # AUTO: from 3 ranks on, a large square matrix's short side is above twice its block's
+    # length (on 2 the model's times are within 1%).
+    if world >= 3:
+        assert ns.uses_applied_twice((8192, 8192), 1)
+    assert not ns.uses_applied_twice((8192, 28672), 1)
     assert {e["owner"] for e in plan.values() if e["owner"] is not None} == set(range(world))
     optimizer.step()  # the step the plan describes runs
     assert not torch.equal(params[0].detach(), before[0])

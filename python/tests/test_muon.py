@@ -672,6 +672,16 @@ def test_auto_runs_the_gram_iteration_where_it_is_cheaper():
     assert auto.plan((4096, 14336)) == standard.plan((4096, 14336)) == "local"
 
 
+def test_the_gram_applied_twice_is_reported_where_it_runs():
+    # One rank: (c) takes more flops than the standard iteration, so AUTO never runs it there;
+    # asked for, it runs on the whole matrix ("local": nothing to communicate).
+    assert not st.NewtonSchulz().uses_applied_twice((8192, 8192))
+    twice = st.NewtonSchulz(algorithm="gram_applied_twice")
+    assert twice.uses_applied_twice((40, 40)) and twice.plan((40, 40)) == "local"
+    assert not twice.uses_gram_iteration((40, 40))
+    assert not st.NewtonSchulz(algorithm="gram_newton_schulz").uses_applied_twice((40, 40))
+
+
 def test_experts_and_fused_parts_are_orthogonalized_one_by_one():
     generator = torch.Generator().manual_seed(5)
     experts = torch.nn.Parameter(0.05 * torch.randn(3, 8, 12, dtype=torch.float64, generator=generator))

@@ -18,7 +18,8 @@ namespace {
 struct ParamRun {
   shardmuon_ns_algorithm algorithm = SHARDMUON_NS_AUTO;
   int owner = -1;
-  bool gram_iteration = false;
+  bool gram_iteration = false;  // (e)
+  bool applied_twice = false;   // (c)
 };
 
 std::vector<ParamRun> planned_runs(shardmuon_context_t context, shardmuon_comm_t comm,
@@ -36,14 +37,27 @@ std::vector<ParamRun> planned_runs(shardmuon_context_t context, shardmuon_comm_t
         plan.row_blocks.empty() ? plan.ns.plan : plan.row_blocks.front().ns.plan;
     runs[i].algorithm = shardmuon::reported_algorithm(ns);
     runs[i].gram_iteration = ns.gram_iteration();
+    runs[i].applied_twice = ns.iteration == shardmuon::NsPlan::Iteration::kAppliedTwice;
     for (const shardmuon::OwnedMatrix& m : step.owned) {
       if (m.param == i && m.block == 0) {  // the first of its matrices
-        runs[i] = {SHARDMUON_NS_OWNER, m.owner, m.whole.plan.gram_iteration()};
+        runs[i] = {SHARDMUON_NS_OWNER, m.owner, m.whole.plan.gram_iteration(),
+                   m.whole.plan.iteration == shardmuon::NsPlan::Iteration::kAppliedTwice};
         break;
       }
     }
   }
   return runs;
+}
+
+// One of ParamRun's flags for every parameter, as 0 or 1 into out (named `name` in errors).
+void planned_flags(shardmuon_context_t context, shardmuon_comm_t comm,
+                   const shardmuon_muon_param* params, int num_params,
+                   const shardmuon_muon_group* groups, int num_groups, bool ParamRun::*flag,
+                   int* out, const char* name) {
+  SHARDMUON_CHECK_ARG(out != nullptr || num_params == 0, name, " is NULL");
+  const std::vector<ParamRun> runs =
+      planned_runs(context, comm, params, num_params, groups, num_groups);
+  for (size_t i = 0; i < runs.size(); ++i) out[i] = runs[i].*flag ? 1 : 0;
 }
 
 }  // namespace
@@ -137,10 +151,17 @@ shardmuon_status shardmuon_muon_plan_gram_iteration(
     shardmuon_context_t context, shardmuon_comm_t comm, const shardmuon_muon_param* params,
     int num_params, const shardmuon_muon_group* groups, int num_groups, int* gram_iteration) {
   return api_guard(__func__, [&] {
-    SHARDMUON_CHECK_ARG(gram_iteration != nullptr || num_params == 0, "gram_iteration is NULL");
-    const std::vector<ParamRun> runs =
-        planned_runs(context, comm, params, num_params, groups, num_groups);
-    for (size_t i = 0; i < runs.size(); ++i) gram_iteration[i] = runs[i].gram_iteration ? 1 : 0;
+    planned_flags(context, comm, params, num_params, groups, num_groups, &ParamRun::gram_iteration,
+                  gram_iteration, "gram_iteration");
+  });
+}
+
+shardmuon_status shardmuon_muon_plan_applied_twice(
+    shardmuon_context_t context, shardmuon_comm_t comm, const shardmuon_muon_param* params,
+    int num_params, const shardmuon_muon_group* groups, int num_groups, int* applied_twice) {
+  return api_guard(__func__, [&] {
+    planned_flags(context, comm, params, num_params, groups, num_groups, &ParamRun::applied_twice,
+                  applied_twice, "applied_twice");
   });
 }
 

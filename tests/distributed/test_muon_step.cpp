@@ -12,6 +12,7 @@
 #include <memory>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #ifdef SHARDMUON_TEST_WITH_CUDA
@@ -327,7 +328,8 @@ TEST_F(MuonStepBatches, UpdatesOrthogonalizedInAnotherDtype) {
     const int p = group.size;
     for (shardmuon_ns_algorithm algorithm :
          {SHARDMUON_NS_AUTO, SHARDMUON_NS_OWNER, SHARDMUON_NS_GRAM_ALLREDUCE,
-          SHARDMUON_NS_DUPLICATED, SHARDMUON_NS_GRAM_NEWTON_SCHULZ}) {
+          SHARDMUON_NS_DUPLICATED, SHARDMUON_NS_GRAM_NEWTON_SCHULZ,
+          SHARDMUON_NS_GRAM_APPLIED_TWICE}) {
       std::vector<Parameter> params;
       params.push_back(make_parameter(37, 53, SHARDMUON_FLOAT32, SHARDMUON_SHARDED_DIM0, p, 1, 2));
       params.push_back(make_parameter(64, 17, SHARDMUON_FLOAT32, SHARDMUON_SHARDED_DIM1, p, 2, 2));
@@ -364,12 +366,13 @@ TEST_F(MuonStepBatches, UpdatesOrthogonalizedInAnotherDtype) {
 // The same batch under every way of distributing the orthogonalization, against the
 // whole-matrix oracle: owner per matrix (more ranks than matrices at P = 4, shards that are
 // empty or uneven, both sharded dims, a 1 x N matrix, a parameter without gradient), the Gram
-// all-reduce, duplicated, AUTO, which chooses, and Gram Newton-Schulz (owners as AUTO's, each
-// running (e) where it is less work: here the 64 x 17 and 1 x 40 matrices).
+// all-reduce, duplicated, AUTO, which chooses, Gram Newton-Schulz (owners as AUTO's, each
+// running (e) where it is less work: here the 64 x 17 and 1 x 40 matrices) and the Gram applied
+// twice ((c), on the whole matrix where there is nothing to communicate).
 TEST_F(MuonStepBatches, EveryDistributionMatchesTheReference) {
   for (const shardmuon_ns_algorithm algorithm :
        {SHARDMUON_NS_OWNER, SHARDMUON_NS_GRAM_ALLREDUCE, SHARDMUON_NS_DUPLICATED, SHARDMUON_NS_AUTO,
-        SHARDMUON_NS_GRAM_NEWTON_SCHULZ}) {
+        SHARDMUON_NS_GRAM_NEWTON_SCHULZ, SHARDMUON_NS_GRAM_APPLIED_TWICE}) {
     for_each_group(1, [&](const Group& group) {
       const int p = group.size;
       std::vector<Parameter> params;
@@ -962,6 +965,95 @@ TEST_F(MuonStepBatches, PlannedGramIterationIsReported) {
                 Harness::get().context(), Harness::get().group(1).comm, nullptr, 1, &g, 1, nullptr),
             SHARDMUON_ERROR_INVALID_ARGUMENT);
   EXPECT_NE(std::string(shardmuon_last_error()).find("gram_iteration is NULL"), std::string::npos);
+}
+
+// shardmuon_muon_plan_applied_twice: which parameters run (c). A lone matrix runs what
+// shardmuon_ns_plan_applied_twice says for its layout: always under GRAM_APPLIED_TWICE, never
+// under the other requests, and under AUTO where the cost model finds it cheaper (a large
+// square matrix: its short side is above twice its block's length), where shardmuon_muon_plan
+// names (c)'s distribution GRAM_ALLREDUCE. Owners run the standard iteration or (e), never (c).
+TEST_F(MuonStepBatches, PlannedAppliedTwiceIsReported) {
+  for_each_group(2, [&](const Group& group) {
+    const int p = group.size;
+    shardmuon_muon_group g = to_api(ReferenceGroup{}, SHARDMUON_SCHEDULE_QUINTIC, 5);
+    struct Planned {
+      std::vector<int> twice;
+      std::vector<shardmuon_ns_algorithm> algorithms;
+    };
+    auto plan_of = [&](const std::vector<shardmuon_muon_param>& api,
+                       shardmuon_ns_algorithm algorithm) {
+      Planned planned{std::vector<int>(api.size(), -1),
+                      std::vector<shardmuon_ns_algorithm>(api.size(), SHARDMUON_NS_AUTO)};
+      g.ns.algorithm = algorithm;
+      const int count = static_cast<int>(api.size());
+      EXPECT_EQ(shardmuon_muon_plan_applied_twice(Harness::get().context(), group.comm, api.data(),
+                                                  count, &g, 1, planned.twice.data()),
+                SHARDMUON_SUCCESS)
+          << shardmuon_last_error();
+      EXPECT_EQ(shardmuon_muon_plan(Harness::get().context(), group.comm, api.data(), count, &g, 1,
+                                    planned.algorithms.data(), nullptr),
+                SHARDMUON_SUCCESS)
+          << shardmuon_last_error();
+      return planned;
+    };
+
+    // The plan reads shapes, not values: the large matrix is zeros (no random draws).
+    Parameter square;
+    square.dtype = SHARDMUON_BFLOAT16;
+    square.partition = SHARDMUON_SHARDED_DIM0;
+    square.sizes = balanced_sizes(4096, p);
+    square.w = square.m = Matrix(4096, 4096);
+    square.grads = {Matrix(4096, 4096)};
+    std::vector<std::vector<Parameter>> lone_matrices(2);
+    lone_matrices[0].push_back(
+        make_parameter(40, 1200, SHARDMUON_FLOAT32, SHARDMUON_SHARDED_DIM1, p, 600, 1));
+    lone_matrices[1].push_back(std::move(square));
+    for (std::vector<Parameter>& lone : lone_matrices) {
+      const std::vector<shardmuon_muon_param> api = upload_parameters(lone, group);
+      const std::string shape =
+          std::to_string(lone[0].w.rows) + " x " + std::to_string(lone[0].w.cols);
+      for (shardmuon_ns_algorithm algorithm :
+           {SHARDMUON_NS_AUTO, SHARDMUON_NS_GRAM_APPLIED_TWICE, SHARDMUON_NS_GRAM_ALLREDUCE,
+            SHARDMUON_NS_GRAM_NEWTON_SCHULZ, SHARDMUON_NS_DUPLICATED}) {
+        const Planned planned = plan_of(api, algorithm);
+        const std::string label = shape + ", algorithm " + std::to_string(algorithm);
+        int single = -1;
+        ASSERT_EQ(shardmuon_ns_plan_applied_twice(&api[0].layout, p, &g.ns, &single),
+                  SHARDMUON_SUCCESS)
+            << shardmuon_last_error();
+        EXPECT_EQ(planned.twice[0], single) << label;
+        if (algorithm != SHARDMUON_NS_AUTO) {
+          EXPECT_EQ(planned.twice[0], algorithm == SHARDMUON_NS_GRAM_APPLIED_TWICE ? 1 : 0)
+              << label;
+        }
+        if (planned.twice[0] == 1) {
+          EXPECT_EQ(planned.algorithms[0], SHARDMUON_NS_GRAM_ALLREDUCE) << label;
+        }
+        // From 3 ranks on (c) takes fewer flops per rank than (b) on a large square matrix; on 2
+        // the model's times are within 1% (measured a tie), so there it only has to agree.
+        if (algorithm == SHARDMUON_NS_AUTO && lone[0].w.rows == 4096 && p >= 3) {
+          EXPECT_EQ(planned.twice[0], 1) << label;
+        }
+      }
+    }
+
+    // Owners (enough small matrices for an owner batch) under AUTO.
+    std::vector<Parameter> many;
+    for (int i = 0; i < 2 * p + 2; ++i) {
+      many.push_back(
+          make_parameter(48, 48, SHARDMUON_FLOAT32, SHARDMUON_SHARDED_DIM1, p, 700 + i, 1));
+    }
+    const Planned owners = plan_of(upload_parameters(many, group), SHARDMUON_NS_AUTO);
+    for (size_t i = 0; i < many.size(); ++i) {
+      EXPECT_EQ(owners.algorithms[i], SHARDMUON_NS_OWNER) << "params[" << i << "]";
+      EXPECT_EQ(owners.twice[i], 0) << "params[" << i << "]";
+    }
+  });
+  shardmuon_muon_group g = to_api(ReferenceGroup{}, SHARDMUON_SCHEDULE_QUINTIC, 5);
+  EXPECT_EQ(shardmuon_muon_plan_applied_twice(
+                Harness::get().context(), Harness::get().group(1).comm, nullptr, 1, &g, 1, nullptr),
+            SHARDMUON_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(shardmuon_last_error()).find("applied_twice is NULL"), std::string::npos);
 }
 
 // A step with no parameters, or with every gradient absent, is a valid no-op.
