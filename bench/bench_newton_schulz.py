@@ -18,7 +18,7 @@ One process per GPU. Rows of the table:
 Times: CUDA events around one call, after warm-ups, median over repeats, the slowest rank's
 median. Useful TFLOP/s counts K (4 s^2 L + 2 s^3) for an s x L matrix (s <= L) whatever the
 algorithm. The floor is shardmuon's executed GEMM flops per GPU (its symmetric products
-included; (e)'s own where the algorithm column says "+ (e)") over the GEMM rate measured at the
+included; (e)'s own where the algorithm column says "+ (e)", (c)'s where "+ (c)") over the GEMM rate measured at the
 start of the run, plus the communication it cannot hide at the all-reduce / all-to-all rates measured there.
 Errors: relative Frobenius distance to a float64 Newton-Schulz of the gathered matrix.
 Power: under sustained bf16 GEMMs an H200 reaches its 700 W cap and lowers its SM clock (from
@@ -236,17 +236,19 @@ def product_triangle_elements(s):
     return triangle_elements(s)[0]
 
 
-def floor_ms(s, length, iterations, rates, dtype_name, world, algorithm, gram_iteration=False):
+def floor_ms(s, length, iterations, rates, dtype_name, world, algorithm, iteration="standard"):
     """shardmuon's executed GEMM flops over the measured GEMM rate, plus the communication
     it cannot hide. A summed Gram's all-reduce can only overlap the Gram's own products (what
     follows needs the sum), so per reduction at least the last group of block columns, and
     at least the whole all-reduce less the Gram's products, is in the open; it moves bf16 for
     bf16 (gram_sum_dtype in src/core/newton_schulz.cpp), float32 for float32. For (d) also the
     first piece of the exchange in and the last piece out (the library moves the shards in
-    four pieces, each beside products). With gram_iteration, (e)'s products: per step Q = a I +
-    b R + c R R, then the Gram of X at a restart or M <- Q M, then X <- M X at the end of a
-    restart's span or R <- Q (R Q); it restarts every 2 steps (gram_iteration_restart in
-    src/core/newton_schulz.h) and sums the Gram once per restart."""
+    four pieces, each beside products). iteration names what runs on that distribution:
+    "standard", "(e)" or "(c)". (e)'s products: per step Q = a I + b R + c R R, then the Gram of
+    X at a restart or M <- Q M, then X <- M X at the end of a restart's span or R <- Q (R Q); it
+    restarts every 2 steps (gram_iteration_restart in src/core/newton_schulz.h) and sums the
+    Gram once per restart. (c)'s: per step the Gram and two applications of it to the rank's
+    block (Y = c S X, X <- S Y + d X), no A A."""
     s, length = -(-s // 8) * 8, -(-length // 8) * 8  # the library pads to multiples of 8
     packed, last_group = triangle_elements(s)
     products = product_triangle_elements(s)
@@ -254,12 +256,15 @@ def floor_ms(s, length, iterations, rates, dtype_name, world, algorithm, gram_it
     local_length = length / world if summed else length  # (a) iterates on the whole matrix
     gram = 2 * (packed if summed else products) * local_length
     square, apply = 2 * products * s, 2 * s * s * local_length
-    if gram_iteration:
+    if iteration == "(e)":
         restart = 2
         flops = sum(square + (gram if k % restart == 0 else square) +
                     (apply if k + 1 == iterations or (k + 1) % restart == 0 else 2 * square)
                     for k in range(iterations))
         reductions = -(-iterations // restart)
+    elif iteration == "(c)":
+        flops = iterations * (gram + 2 * apply)
+        reductions = iterations
     else:
         flops = iterations * (gram + square + apply)
         reductions = iterations
@@ -279,9 +284,17 @@ def floor_ms(s, length, iterations, rates, dtype_name, world, algorithm, gram_it
     return compute, comm
 
 
-def label(algorithm, gram_iteration):
-    """The algorithm column: the distribution, and "+ (e)" where it runs the Gram iteration."""
-    return f"{algorithm} + (e)" if gram_iteration else algorithm
+def iteration_of(ns, shape, dim=None, sizes=None):
+    """Which iteration `ns` runs for these arguments: "standard", "(e)" (Gram Newton-Schulz) or
+    "(c)" (the summed Gram applied twice)."""
+    if ns.uses_gram_iteration(shape, dim, sizes):
+        return "(e)"
+    return "(c)" if ns.uses_applied_twice(shape, dim, sizes) else "standard"
+
+
+def label(algorithm, iteration):
+    """The algorithm column: the distribution, and "+ (e)" or "+ (c)" where it runs one of them."""
+    return algorithm if iteration == "standard" else f"{algorithm} + {iteration}"
 
 
 def relative_error(result, reference):
@@ -310,7 +323,7 @@ def main():
     parser.add_argument("--schedules", default="quintic:5,polar_express:8")
     parser.add_argument("--algorithm", default="auto",
                         help="shardmuon's algorithm; on one GPU duplicated and gram_allreduce "
-                             "run the standard iteration, gram_newton_schulz (e)")
+                             "run the standard iteration, gram_newton_schulz (e), gram_applied_twice (c)")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--warmups", type=int, default=2)
     parser.add_argument("--tag", default="", help="appended to the table's file name")
@@ -364,7 +377,7 @@ def main():
                 steps = int(steps)
                 ns_local = NewtonSchulz(alone, ns_steps=steps, coefficient_type=schedule,
                                         algorithm=args.algorithm)
-                local_gram_iteration = ns_local.uses_gram_iteration((rows, cols))
+                local_iteration = iteration_of(ns_local, (rows, cols))
                 coefficients = ns_local.coefficients()
                 useful = steps * (4 * s * s * length + 2 * s**3)
                 generator = torch.Generator(device="cuda").manual_seed(1000 + rows + cols)
@@ -377,7 +390,7 @@ def main():
                 ms = timer.median_ms(lambda: work.copy_(matrix), lambda: ns_local(work, (rows, cols)),
                                      across_ranks=False)
                 compute, comm = floor_ms(s, length, steps, rates, dtype_name, 1, "local",
-                                         local_gram_iteration)
+                                         local_iteration)
                 power = power_columns(timer, gemm_rates[dtype_name], compute, comm, ms, across_ranks=False)
                 error = relative_error(work, reference)
                 use_own = optim_muon is not None and dtype_name == "bf16" and schedule == "quintic"
@@ -397,7 +410,7 @@ def main():
                 passes = error <= tolerance
                 failures += 0 if passes else 1
                 emit(f"| {rows}x{cols} | {dtype_name} | {schedule} {steps} | 1 | - | "
-                     f"{label('local', local_gram_iteration)} | {ms:.2f} | "
+                     f"{label('local', local_iteration)} | {ms:.2f} | "
                      f"{useful / ms / 1e9:.0f} | {error:.2e} | {'yes' if passes else 'NO'} | "
                      f"{torch_ms:.2f}{' (own fn)' if use_own else ''} err {torch_error:.1e} | "
                      f"{torch_ms / ms:.2f} | | | | | {compute:.2f}+0 | {ms / compute:.2f} | {power} |")
@@ -412,11 +425,11 @@ def main():
                     ns = NewtonSchulz(dist.group.WORLD, ns_steps=steps, coefficient_type=schedule,
                                       algorithm=args.algorithm)
                     algorithm = ns.plan((rows, cols), dim, sizes)
-                    gram_iteration = ns.uses_gram_iteration((rows, cols), dim, sizes)
+                    iteration = iteration_of(ns, (rows, cols), dim, sizes)
                     work = torch.empty_like(shard)
                     ms = timer.median_ms(lambda: work.copy_(shard), lambda: ns(work, (rows, cols), dim, sizes))
                     compute, comm = floor_ms(s, length, steps, rates, dtype_name, world, algorithm,
-                                             gram_iteration)
+                                             iteration)
                     power = power_columns(timer, gemm_rates[dtype_name], compute, comm, ms, across_ranks=True)
                     error = relative_error(gather_shards(work, dim, sizes, world), reference)
 
@@ -452,7 +465,7 @@ def main():
                     failures += 0 if passes else 1
                     uneven = "" if len(set(sizes)) == 1 else " uneven"
                     emit(f"| {rows}x{cols} | {dtype_name} | {schedule} {steps} | {world} | dim {dim}{uneven} | "
-                         f"{label(algorithm, gram_iteration)} | {ms:.2f} | {useful / ms / 1e9:.0f} | {error:.2e} | "
+                         f"{label(algorithm, iteration)} | {ms:.2f} | {useful / ms / 1e9:.0f} | {error:.2e} | "
                          f"{'yes' if passes else 'NO'} | | | {gather_ms:.2f} err {gather_error:.1e} | "
                          f"{gather_ms / ms:.2f} | {gram_ms:.2f} err {gram_error:.1e} | {gram_ms / ms:.2f} | "
                          f"{compute:.2f}+{comm:.2f} | {ms / (compute + comm):.2f} | {power} |")
