@@ -538,8 +538,9 @@ SHARDMUON_API shardmuon_status shardmuon_muon_plan_gram_iteration(
 
 /* Whether shardmuon_muon_step would run each parameter's Newton-Schulz as (c)'s iteration, the
  * summed Gram applied twice (applied_twice[i] = 1), or not (0), on the distribution
- * shardmuon_muon_plan reports (which names (c)'s as GRAM_ALLREDUCE or, on one rank or for a
- * replicated parameter, LOCAL); for a stacked parameter its first block's. Always 1 where a
+ * shardmuon_muon_plan reports (which names (c)'s GRAM_ALLREDUCE, GRAM_ALLREDUCE_REDISTRIBUTED
+ * for short-side shards, or LOCAL on one rank or for a replicated parameter); for a stacked
+ * parameter its first block's. Always 1 where a
  * group asks for GRAM_APPLIED_TWICE, never under DUPLICATED, GRAM_ALLREDUCE, GRAM_NEWTON_SCHULZ
  * or OWNER (an owner runs the standard iteration or (e)); under AUTO the cost model's choice, as
  * shardmuon_ns_plan_applied_twice reports for the parameter's layout. Checked and computed as

@@ -842,8 +842,9 @@ class Muon(torch.optim.Optimizer):
         "owner", "owner": the rank that orthogonalizes it under "owner" (else None; a rank of
         the group the parameter is stepped over),
         "gram_iteration": whether it runs Gram Newton-Schulz ((e)), "applied_twice": whether it
-        runs (c)'s iteration (the summed Gram applied twice, on "gram_allreduce"'s distribution,
-        or on the whole matrix where "local"), "group_size": the ranks of
+        runs (c)'s iteration (the summed Gram applied twice, on the distribution of
+        "gram_allreduce" or "gram_allreduce_redistributed", or on the whole matrix where
+        "local"), "group_size": the ranks of
         the process group it is stepped over (a DTensor's: those of its cut mesh dimensions), and
         "redistributed": the placements a DTensor parameter is redistributed to for the
         step (a Replicate() among them where it is gathered), or None}.
