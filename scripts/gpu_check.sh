@@ -39,6 +39,9 @@ cmake --build $build --parallel "$(nproc)" -- -k 0 >"$out/build.log" 2>&1 || { g
 echo "build: $(( $(date +%s) - start )) s"
 
 results=()
+# A run cut off by `timeout` (SIGTERM) still prints what it finished: the logs past the tool's
+# file limit do not come back, so these lines are all a cut-off call would report.
+trap 'echo "== cut off (SIGTERM); results so far:"; printf "%s\n" "${results[@]}"; exit 124' TERM
 # The front end's CPU tests that Debian's PyTorch 1.13 cannot run (DTensor, on gloo processes),
 # with the lent machine's PyTorch 2.x, beside the single-process ones. Its venv may lack
 # pytest: then Debian's (pure Python) can be carried in .deps/pytest_pkgs.
@@ -171,9 +174,11 @@ sanitize() {
   local cs tool log rc shards=$(( $(nproc) > 3 ? $(nproc) - 2 : 1 ))
   local pairs=$(( shards > 1 ? shards / 2 : 1 ))  # 2-rank runs, two processes each
   cs=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
-  # SANITIZE_SUITE_TOOLS picks the tools run over the one-GPU suite (empty: none; racecheck
-  # alone takes about 6 minutes), so the mode can be split across calls of a time-limited
-  # machine.
+  # SANITIZE_SUITE_TOOLS, SANITIZE_CALLBACK_TOOLS and SANITIZE_UNIT_TOOLS pick the tools run
+  # over the one-GPU suite, the 2-rank callback runs and the GPU unit tests (empty: none), so
+  # that the mode can be split across calls of a time-limited machine: racecheck over the suite
+  # alone takes about 6 minutes, and memcheck over it with the callback runs' three tools did
+  # not finish in 580 s (twenty-seventh session).
   for tool in ${SANITIZE_SUITE_TOOLS-memcheck synccheck racecheck}; do
     sanitized_shards $shards 500 "suite_$tool" "$tool, CUDA suite (1 GPU)" \
       "$cs" --tool $tool --report-api-errors no --error-exitcode 9 $build/tests/shardmuon_tests \
@@ -185,7 +190,7 @@ sanitize() {
   # and the non-finite checks (46 tests, 170-210 s per shard on one H200; the batched steps'
   # tests are too slow under it: one of them alone had not finished in 240 s).
   local callbacks_filter='-*MultiBlock*' scope='CUDA suite'
-  for tool in memcheck synccheck racecheck; do
+  for tool in ${SANITIZE_CALLBACK_TOOLS-memcheck synccheck racecheck}; do
     if [[ $tool == racecheck ]]; then
       callbacks_filter='*Layouts*67x131_dim1_P2*:*Layouts*257x64_dim0_P2*:NonFinite.*'
       scope='cross-section of the CUDA suite'
@@ -195,7 +200,7 @@ sanitize() {
       --report-api-errors no --error-exitcode 9 $build/tests/shardmuon_tests --backend=cuda \
       --comm=callbacks --gtest_brief=1 --gtest_filter="$callbacks_filter"
   done
-  for tool in memcheck racecheck synccheck initcheck; do
+  for tool in ${SANITIZE_UNIT_TOOLS-memcheck racecheck synccheck initcheck}; do
     log="$out/sanitize_unit_$tool.log"
     timeout 240 "$cs" --tool $tool --error-exitcode 9 $build/tests/shardmuon_gpu_unit_tests --gtest_brief=1 \
       >"$log" 2>&1
