@@ -40,13 +40,20 @@ def estimate(rows, cols, ranks, dim, schedule, steps, algorithm="auto"):
         sizes = even_split((rows, cols)[dim], ranks)
         array = (ctypes.c_int64 * ranks)(*sizes)
         layout = c.Layout(rows, cols, c.SHARDED_DIM0 if dim == 0 else c.SHARDED_DIM1, ranks, array)
-    seconds, chosen, gram_iteration = ctypes.c_double(), ctypes.c_int(), ctypes.c_int()
+    seconds, chosen = ctypes.c_double(), ctypes.c_int()
+    gram_iteration, applied_twice = ctypes.c_int(), ctypes.c_int()
     c.check(c.lib.shardmuon_ns_estimate(ctypes.byref(layout), ranks, ctypes.byref(options), ctypes.byref(seconds)))
     c.check(c.lib.shardmuon_ns_plan(ctypes.byref(layout), ranks, ctypes.byref(options), ctypes.byref(chosen)))
     c.check(c.lib.shardmuon_ns_plan_gram_iteration(ctypes.byref(layout), ranks, ctypes.byref(options),
                                                    ctypes.byref(gram_iteration)))
+    c.check(c.lib.shardmuon_ns_plan_applied_twice(ctypes.byref(layout), ranks, ctypes.byref(options),
+                                                  ctypes.byref(applied_twice)))
     name = c.PLAN_NAMES[chosen.value]
-    return seconds.value, name + " + (e)" if gram_iteration.value else name
+    if gram_iteration.value:
+        name += " + (e)"
+    elif applied_twice.value:
+        name += " + (c)"
+    return seconds.value, name
 
 
 def bytes_per_rank(rows, cols, ranks, dim, steps, algorithm):
@@ -79,6 +86,8 @@ def part_one(path):
         # The row's algorithm as a request; on one rank duplicated is the standard iteration.
         if algorithm.endswith("(e)"):
             forced = "gram_newton_schulz"
+        elif algorithm.endswith("(c)"):
+            forced = "gram_applied_twice"
         else:
             forced = {"duplicated": "duplicated", "local": "duplicated"}.get(algorithm, "gram_allreduce")
         seconds, _ = estimate(rows, cols, ranks, dim, schedule, int(steps), forced)
