@@ -540,11 +540,10 @@ SHARDMUON_API shardmuon_status shardmuon_muon_plan_gram_iteration(
  * summed Gram applied twice (applied_twice[i] = 1), or not (0), on the distribution
  * shardmuon_muon_plan reports (which names (c)'s GRAM_ALLREDUCE, GRAM_ALLREDUCE_REDISTRIBUTED
  * for short-side shards, or LOCAL on one rank or for a replicated parameter); for a stacked
- * parameter its first block's. Always 1 where a
- * group asks for GRAM_APPLIED_TWICE, never under DUPLICATED, GRAM_ALLREDUCE, GRAM_NEWTON_SCHULZ
- * or OWNER (an owner runs the standard iteration or (e)); under AUTO the cost model's choice, as
- * shardmuon_ns_plan_applied_twice reports for the parameter's layout. Checked and computed as
- * shardmuon_muon_plan, without communicating. */
+ * parameter its first block's. Always 1 where a group asks for GRAM_APPLIED_TWICE, never under
+ * DUPLICATED, GRAM_ALLREDUCE, GRAM_NEWTON_SCHULZ or OWNER (an owner runs the standard iteration
+ * or (e)); under AUTO the cost model's choice, as shardmuon_ns_plan_applied_twice reports for
+ * the parameter's layout. Checked and computed as shardmuon_muon_plan, without communicating. */
 SHARDMUON_API shardmuon_status shardmuon_muon_plan_applied_twice(
     shardmuon_context_t context, shardmuon_comm_t comm, const shardmuon_muon_param* params,
     int num_params, const shardmuon_muon_group* groups, int num_groups, int* applied_twice);

@@ -518,8 +518,7 @@ shardmuon_status shardmuon_ns_plan_applied_twice(const shardmuon_layout* layout,
                                                  int* applied_twice) {
   return api_guard(__func__, [&] {
     SHARDMUON_CHECK_ARG(applied_twice != nullptr, "applied_twice is NULL");
-    *applied_twice = shardmuon::plan_matrix(layout, comm_size, options).plan.iteration ==
-                     shardmuon::NsPlan::Iteration::kAppliedTwice;
+    *applied_twice = shardmuon::plan_matrix(layout, comm_size, options).plan.applied_twice();
   });
 }
 

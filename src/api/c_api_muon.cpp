@@ -37,11 +37,11 @@ std::vector<ParamRun> planned_runs(shardmuon_context_t context, shardmuon_comm_t
         plan.row_blocks.empty() ? plan.ns.plan : plan.row_blocks.front().ns.plan;
     runs[i].algorithm = shardmuon::reported_algorithm(ns);
     runs[i].gram_iteration = ns.gram_iteration();
-    runs[i].applied_twice = ns.iteration == shardmuon::NsPlan::Iteration::kAppliedTwice;
+    runs[i].applied_twice = ns.applied_twice();
     for (const shardmuon::OwnedMatrix& m : step.owned) {
       if (m.param == i && m.block == 0) {  // the first of its matrices
         runs[i] = {SHARDMUON_NS_OWNER, m.owner, m.whole.plan.gram_iteration(),
-                   m.whole.plan.iteration == shardmuon::NsPlan::Iteration::kAppliedTwice};
+                   m.whole.plan.applied_twice()};
         break;
       }
     }

@@ -1130,7 +1130,7 @@ double estimate_plan_seconds(const NsPlan& plan, const NsCostInputs& inputs,
   // The model is of bf16, so (e) restarts as bf16 does.
   priced.gram_iteration_restart =
       plan.gram_iteration() ? gram_iteration_restart(SHARDMUON_BFLOAT16, inputs.iterations) : 0;
-  priced.applied_twice = plan.iteration == NsPlan::Iteration::kAppliedTwice;
+  priced.applied_twice = plan.applied_twice();
   switch (plan.algorithm) {
     case NsPlan::Algorithm::kLocal: return estimate_local_seconds(priced, machine);
     case NsPlan::Algorithm::kDuplicated: return estimate_duplicated_seconds(priced, machine);

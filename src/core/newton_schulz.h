@@ -37,6 +37,7 @@ struct NsPlan {
   };
   Iteration iteration = Iteration::kStandard;
   bool gram_iteration() const { return iteration == Iteration::kOnGram; }
+  bool applied_twice() const { return iteration == Iteration::kAppliedTwice; }
 };
 
 // (c)'s products for one iteration's (a, b, c): with S = A + shift I,
