@@ -13,7 +13,7 @@
 //
 // Flops per rank and iteration (s <= L, blocks of L / P): (b) 3 s^2 L / P + s^3 with the
 // symmetric products (the Gram's and A A's triangles), (c) 5 s^2 L / P.
-// Time: CUDA events around each call, 3 warm-up calls, the median of 15.
+// Time: CUDA events around each call, the three interleaved: 3 warm-up rounds, the median of 15.
 //
 //   bench_rank_compute [s L P]...   (default: the table in docs/BENCHMARKS.md)
 #include <cuda_bf16.h>
@@ -78,25 +78,36 @@ struct Case {
   int ranks;
 };
 
-float median_ms(shardmuon::Backend& backend, shardmuon::Communicator& group,
-                const shardmuon::NsProblem& problem, void* block, cudaStream_t stream) {
+// The median time of each problem's call. The calls are interleaved (one of each problem per
+// round: 3 warm-up rounds, the median of 15), so that the GPU's clock, which falls as it
+// heats under back-to-back products (docs/BENCHMARKS.md, eleventh session), weighs on every
+// problem alike rather than on whichever runs last.
+std::vector<float> median_ms(shardmuon::Backend& backend, shardmuon::Communicator& group,
+                             const std::vector<shardmuon::NsProblem>& problems, void* block,
+                             cudaStream_t stream) {
   cudaEvent_t start, stop;
   check(cudaEventCreate(&start), "event");
   check(cudaEventCreate(&stop), "event");
-  std::vector<float> times;
-  for (int k = 0; k < 18; ++k) {
-    check(cudaEventRecord(start, stream), "record");
-    shardmuon::run_newton_schulz(backend, group, problem, block, stream);
-    check(cudaEventRecord(stop, stream), "record");
-    check(cudaEventSynchronize(stop), "sync");
-    float ms = 0;
-    check(cudaEventElapsedTime(&ms, start, stop), "elapsed");
-    if (k >= 3) times.push_back(ms);
+  std::vector<std::vector<float>> times(problems.size());
+  for (int round = 0; round < 18; ++round) {
+    for (size_t p = 0; p < problems.size(); ++p) {
+      check(cudaEventRecord(start, stream), "record");
+      shardmuon::run_newton_schulz(backend, group, problems[p], block, stream);
+      check(cudaEventRecord(stop, stream), "record");
+      check(cudaEventSynchronize(stop), "sync");
+      float ms = 0;
+      check(cudaEventElapsedTime(&ms, start, stop), "elapsed");
+      if (round >= 3) times[p].push_back(ms);
+    }
   }
   cudaEventDestroy(start);
   cudaEventDestroy(stop);
-  std::sort(times.begin(), times.end());
-  return times[times.size() / 2];
+  std::vector<float> medians;
+  for (std::vector<float>& each : times) {
+    std::sort(each.begin(), each.end());
+    medians.push_back(each[each.size() / 2]);
+  }
+  return medians;
 }
 
 }  // namespace
@@ -133,19 +144,18 @@ int main(int argc, char** argv) {
     check(cudaMalloc(&block, elements * sizeof(__nv_bfloat16)), "cudaMalloc");
     fill<<<1024, 256, 0, stream>>>(static_cast<__nv_bfloat16*>(block), elements);
     StandInGroup group(c.ranks);
-    float ms[3] = {0, 0, 0};
     const NsPlan::Iteration kinds[3] = {NsPlan::Iteration::kStandard, NsPlan::Iteration::kOnGram,
                                         NsPlan::Iteration::kAppliedTwice};
+    std::vector<shardmuon::NsProblem> problems(3);
     for (int k = 0; k < 3; ++k) {
-      shardmuon::NsProblem problem;
-      problem.dtype = SHARDMUON_BFLOAT16;
-      problem.layout = layout;
-      problem.coefficients = coefficients;
-      problem.eps = options.eps;
-      problem.plan.algorithm = NsPlan::Algorithm::kGramAllReduce;
-      problem.plan.iteration = kinds[k];
-      ms[k] = median_ms(*backend, group, problem, block, stream);
+      problems[k].dtype = SHARDMUON_BFLOAT16;
+      problems[k].layout = layout;
+      problems[k].coefficients = coefficients;
+      problems[k].eps = options.eps;
+      problems[k].plan.algorithm = NsPlan::Algorithm::kGramAllReduce;
+      problems[k].plan.iteration = kinds[k];
     }
+    const std::vector<float> ms = median_ms(*backend, group, problems, block, stream);
     options.algorithm = SHARDMUON_NS_AUTO;
     const NsPlan chosen = shardmuon::plan_newton_schulz(layout, c.ranks, options);
     const char* auto_runs = chosen.algorithm != NsPlan::Algorithm::kGramAllReduce  ? "(a)"
