@@ -39,9 +39,17 @@ cmake --build $build --parallel "$(nproc)" -- -k 0 >"$out/build.log" 2>&1 || { g
 echo "build: $(( $(date +%s) - start )) s"
 
 results=()
-# A run cut off by `timeout` (SIGTERM) still prints what it finished: the logs past the tool's
-# file limit do not come back, so these lines are all a cut-off call would report.
-trap 'echo "== cut off (SIGTERM); results so far:"; printf "%s\n" "${results[@]}"; exit 124' TERM
+# A run cut off by `timeout` (SIGTERM) still prints what it finished, and stops the runs in
+# flight: the logs past the tool's file limit do not come back, so these lines are all a
+# cut-off call would report. Bash runs a trap only once the command in the foreground has
+# returned, so every long command runs through `bounded` (its own time limit, in the
+# background, waited for): a foreground test under racecheck had held the trap past the
+# machine's limit, and the call came back with nothing (twenty-eighth session).
+trap 'echo "== cut off (SIGTERM); results so far:"; printf "%s\n" "${results[@]}"; kill $(jobs -p) 2>/dev/null; exit 124' TERM
+bounded() {  # seconds, command...: `timeout seconds command...`, its status
+  timeout "$@" &
+  wait $!
+}
 # The front end's CPU tests that Debian's PyTorch 1.13 cannot run (DTensor, on gloo processes),
 # with the lent machine's PyTorch 2.x, beside the single-process ones. Its venv may lack
 # pytest: then Debian's (pure Python) can be carried in .deps/pytest_pkgs.
@@ -50,7 +58,7 @@ front_end_pytest() {
   if ! python3 -c "import pytest" 2>/dev/null && [[ -d "$root/.deps/pytest_pkgs" ]]; then
     pythonpath="$root/.deps/pytest_pkgs"
   fi
-  SHARDMUON_LIBRARY="$root/$build/libshardmuon.so" PYTHONPATH="$pythonpath" timeout 420 \
+  SHARDMUON_LIBRARY="$root/$build/libshardmuon.so" PYTHONPATH="$pythonpath" bounded 420 \
     python3 -m pytest -q -p no:cacheprovider python/tests/test_dtensor.py python/tests/test_muon.py \
     python/tests/test_dtensor_placements.py >"$out/pytest_torch2.log" 2>&1
 }
@@ -62,7 +70,7 @@ cuda_tests() {
     log="$out/${name}_np$ranks.log"
     # The multi-block case computes float64 oracles of side 2085 on the CPU, through OpenBLAS
     # with the rank's share of the cores (10 s each on one core of the 2-core CI machine).
-    OPENBLAS_NUM_THREADS=$(( $(nproc) / ranks )) timeout 400 "${mpi[@]}" -np $ranks \
+    OPENBLAS_NUM_THREADS=$(( $(nproc) / ranks )) bounded 400 "${mpi[@]}" -np $ranks \
       $build/tests/shardmuon_tests --backend=cuda --gtest_brief=1 --gtest_filter="$filter" >"$log" 2>&1
     rc=$?
     grep -E "^\[rank|Failure|FAILED" "$log" | head -20
@@ -83,7 +91,7 @@ callback_tests() {
 }
 callback_run() {  # ranks, gtest filter, log name
   local ranks=$1 filter=$2 log="$out/$3.log" rc
-  OPENBLAS_NUM_THREADS=$(( $(nproc) / ranks )) timeout 300 "${mpi[@]}" -np "$ranks" \
+  OPENBLAS_NUM_THREADS=$(( $(nproc) / ranks )) bounded 300 "${mpi[@]}" -np "$ranks" \
     $build/tests/shardmuon_tests --backend=cuda --comm=callbacks --gtest_brief=1 \
     --gtest_filter="$filter" >"$log" 2>&1
   rc=$?
@@ -94,7 +102,7 @@ callback_run() {  # ranks, gtest filter, log name
 # multi-rank Grams use is checked here even where only one GPU is lent.
 gpu_unit() {
   local log="$out/gpu_unit.log"
-  timeout 120 $build/tests/shardmuon_gpu_unit_tests --gtest_brief=1 >"$log" 2>&1
+  bounded 120 $build/tests/shardmuon_gpu_unit_tests --gtest_brief=1 >"$log" 2>&1
   local rc=$?
   grep -E "Failure" -A3 "$log" | head -20
   results+=("GPU unit tests: rc=$rc $(grep -E 'PASSED|FAILED  \]|SKIPPED \]' "$log" | sed 's/\x1b\[[0-9;]*m//g' | tr '\n' ' ')")
@@ -107,7 +115,7 @@ narrow_blocks() {
   local block log rc
   for block in 96 32; do
     log="$out/narrow_blocks_$block.log"
-    timeout 200 "${mpi[@]}" -x SHARDMUON_SYMMETRIC_BLOCK=$block -np 1 $build/tests/shardmuon_tests \
+    bounded 200 "${mpi[@]}" -x SHARDMUON_SYMMETRIC_BLOCK=$block -np 1 $build/tests/shardmuon_tests \
       --backend=cuda --gtest_brief=1 --gtest_filter='*NewtonSchulz*:*gramns*:*MuonStep*:-*MultiBlock*' \
       >"$log" 2>&1
     rc=$?
@@ -202,7 +210,7 @@ sanitize() {
   done
   for tool in ${SANITIZE_UNIT_TOOLS-memcheck racecheck synccheck initcheck}; do
     log="$out/sanitize_unit_$tool.log"
-    timeout 240 "$cs" --tool $tool --error-exitcode 9 $build/tests/shardmuon_gpu_unit_tests --gtest_brief=1 \
+    bounded 240 "$cs" --tool $tool --error-exitcode 9 $build/tests/shardmuon_gpu_unit_tests --gtest_brief=1 \
       >"$log" 2>&1
     rc=$?
     results+=("compute-sanitizer $tool, GPU unit tests: rc=$rc $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED  \]' "$log" | sed 's/\x1b\[[0-9;]*m//g' | tr '\n' ' ')")
@@ -234,7 +242,7 @@ if [[ "$what" == "speed" ]]; then
   # Optional tuning sweeps on a few shapes: BENCH_SWEEP="SHARDMUON_COMM_SMS=16 ..." runs the
   # benchmark once per setting (an environment assignment the library reads).
   for setting in ${BENCH_SWEEP:-}; do
-    env "$setting" timeout 120 torchrun --nproc_per_node="$gpus" bench/bench_newton_schulz.py \
+    bounded 120 env "$setting" torchrun --nproc_per_node="$gpus" bench/bench_newton_schulz.py \
       --out "$out" --tag "_${setting//=/_}" --shapes "${SWEEP_SHAPES:-4096x14336,8192x8192,8192x28672}" \
       --dtypes bf16 --schedules quintic:5 --repeats 7 >"$out/sweep.log" 2>&1
   done
@@ -248,10 +256,10 @@ if [[ "$what" == "targets" ]]; then
   # bf16, quintic 5) against the Gram all-reduce and all-gather baselines of the same run.
   cuda_tests tests '-*MultiBlock*:Reliability.ARankThatNeverCalls*'
   export SHARDMUON_LIBRARY="$root/$build/libshardmuon.so"
-  timeout 200 torchrun --nproc_per_node="$gpus" python/tests/gpu/check_torch_gpu.py >"$out/torch_gpu.log" 2>&1
+  bounded 200 torchrun --nproc_per_node="$gpus" python/tests/gpu/check_torch_gpu.py >"$out/torch_gpu.log" 2>&1
   results+=("torch checks on $gpus GPU(s): rc=$? $(grep -h 'torch GPU checks' "$out/torch_gpu.log")")
   grep -E "^FAIL" "$out/torch_gpu.log" | head -10
-  timeout 300 torchrun --nproc_per_node="$gpus" bench/bench_newton_schulz.py --out "$out" \
+  bounded 300 torchrun --nproc_per_node="$gpus" bench/bench_newton_schulz.py --out "$out" \
     --shapes 8192x28672,28672x8192 --dtypes bf16 --schedules quintic:5 >"$out/bench.log" 2>&1
   results+=("benchmark: rc=$? $(grep -c '^| [0-9]' "$out/bench.log") rows; $(grep accuracy "$out/bench.log")")
   grep -E "^\|" "$out/bench.log"
@@ -270,15 +278,15 @@ if [[ "$what" == "step" ]]; then
   results+=("step benchmark: rc=$?")
   grep -E "^\||GEMM|whole-step" "$out/bench_step.log"
   # Mixture-of-experts layers on one GPU: the experts as strided batches.
-  timeout 200 python3 bench/bench_experts.py --out "$out" >"$out/bench_experts.log" 2>&1
+  bounded 200 python3 bench/bench_experts.py --out "$out" >"$out/bench_experts.log" 2>&1
   results+=("experts benchmark (1 GPU): rc=$?")
   grep -E "^\||GEMM" "$out/bench_experts.log"
   # A small model on one GPU: GPT-2's 48 matrices, batched by shape, against torch.optim.Muon.
-  timeout 200 python3 bench/bench_small_model.py --out "$out" >"$out/bench_small_model.log" 2>&1
+  bounded 200 python3 bench/bench_small_model.py --out "$out" >"$out/bench_small_model.log" 2>&1
   results+=("small-model benchmark (1 GPU): rc=$?")
   grep -E "^\||GEMM" "$out/bench_small_model.log"
   # The same with QKV as three stacked d x d blocks, which share batches with other layers'.
-  timeout 200 python3 bench/bench_small_model.py --split-qkv --out "$out" >"$out/bench_small_model_split.log" 2>&1
+  bounded 200 python3 bench/bench_small_model.py --split-qkv --out "$out" >"$out/bench_small_model_split.log" 2>&1
   results+=("small-model benchmark, QKV split (1 GPU): rc=$?")
   grep -E "^\||GEMM" "$out/bench_small_model_split.log"
   printf '%s\n' "${results[@]}"
@@ -300,14 +308,14 @@ if [[ "$what" == "final" ]]; then
   filter='*Layouts*67x131*dim1*P1*:*Schedules*quintic5*P1:NonFinite.*:MuonStepB*:Checkpoint.LoadsOn*'
   for tool in memcheck racecheck synccheck; do
     log="$out/$tool.log"
-    timeout 150 "${mpi[@]}" -np 1 compute-sanitizer --tool $tool --report-api-errors no --error-exitcode 3 \
+    bounded 150 "${mpi[@]}" -np 1 compute-sanitizer --tool $tool --report-api-errors no --error-exitcode 3 \
       $build/tests/shardmuon_tests --backend=cuda --gtest_brief=1 --gtest_filter="$filter" >"$log" 2>&1
     rc=$?
     results+=("$tool (1 GPU): rc=$rc $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$log" | tail -1) $(grep -E 'PASSED|FAILED  \]' "$log" | sed 's/\x1b\[[0-9;]*m//g' | tr '\n' ' ')")
   done
   export SHARDMUON_LIBRARY="$root/$build/libshardmuon.so"
-  timeout 150 torchrun --nproc_per_node=2 python/tests/gpu/check_torch_gpu.py >"$out/torch_2.log" 2>&1
-  timeout 90 python3 python/tests/gpu/check_torch_gpu.py >"$out/torch_1.log" 2>&1
+  bounded 150 torchrun --nproc_per_node=2 python/tests/gpu/check_torch_gpu.py >"$out/torch_2.log" 2>&1
+  bounded 90 python3 python/tests/gpu/check_torch_gpu.py >"$out/torch_1.log" 2>&1
   grep -hE "FAIL|torch.optim.Muon" "$out"/torch_*.log | head -12
   results+=("$(grep -h 'torch GPU checks' "$out"/torch_*.log | tr '\n' ' ')")
   front_end_pytest
@@ -336,7 +344,7 @@ if [[ "$what" == "torch" ]]; then
 fi
 for ranks in 1 $([[ $gpus -ge 2 ]] && echo 2); do
   log="$out/gpu_tests_np$ranks.log"
-  OPENBLAS_NUM_THREADS=$(( $(nproc) / ranks )) timeout 400 "${mpi[@]}" -np $ranks \
+  OPENBLAS_NUM_THREADS=$(( $(nproc) / ranks )) bounded 400 "${mpi[@]}" -np $ranks \
     $build/tests/shardmuon_tests --backend=cuda --gtest_brief=1 >"$log" 2>&1
   rc=$?
   grep -E "^\[rank|Failure|FAILED" "$log" | head -40
@@ -348,7 +356,7 @@ callback_tests
 # compute-sanitizer memcheck over a cross-section of the cases, on one GPU.
 if command -v compute-sanitizer >/dev/null 2>&1; then
   log="$out/memcheck.log"
-  timeout 300 "${mpi[@]}" -np 1 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 3 \
+  bounded 300 "${mpi[@]}" -np 1 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 3 \
     $build/tests/shardmuon_tests --backend=cuda --gtest_brief=1 \
     --gtest_filter='*Layouts*67x131*:*Layouts*1x37*:*Layouts*20x3*:*Schedules*_P1:BadInput.*:*Invariants.*:*MuonStepModes*P1*:MuonStepB*:Checkpoint.*:CppMuon.*' \
     >"$log" 2>&1
