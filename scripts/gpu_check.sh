@@ -44,8 +44,12 @@ results=()
 # cut-off call would report. Bash runs a trap only once the command in the foreground has
 # returned, so every long command runs through `bounded` (its own time limit, in the
 # background, waited for): a foreground test under racecheck had held the trap past the
-# machine's limit, and the call came back with nothing (twenty-eighth session).
-trap 'echo "== cut off (SIGTERM); results so far:"; printf "%s\n" "${results[@]}"; kill $(jobs -p) 2>/dev/null; exit 124' TERM
+# machine's limit, and the call came back with nothing (twenty-eighth session). The trap
+# writes to the script's own output, fd 3: it runs inside the interrupted command's
+# redirections, which had sent its lines into that command's log.
+exec 3>&1
+trap '{ echo "== cut off (SIGTERM); results so far:"; printf "%s\n" "${results[@]}"; } >&3 2>&1
+  kill $(jobs -p) 2>/dev/null; exit 124' TERM
 bounded() {  # seconds, command...: `timeout seconds command...`, its status
   timeout "$@" &
   wait $!
