@@ -118,10 +118,11 @@ def main():
             print("| total (us) | launches | kernel |\n|---|---|---|")
             for name, total in sorted(totals.items(), key=lambda item: -item[1]):
                 print(f"| {total:.1f} | {counts[name]} | {name} |")
-            # One iteration in order (the second: the first also takes the norm).
+            # An iteration's worth of kernels in order, past the first iteration's (which also
+            # takes the norm); not aligned to an iteration's start, but each product in its place.
             ordered = sorted(kernels, key=lambda e: e.time_range.start)
             per_iteration = len(ordered) // args.steps
-            print(f"second iteration, in order ({per_iteration} kernels an iteration, about):")
+            print(f"kernels {per_iteration + 1} to {2 * per_iteration} of the call, in order:")
             for e in ordered[per_iteration:2 * per_iteration]:
                 print(f"  {e.time_range.end - e.time_range.start:8.1f} us  {e.name[:100]}")
     c.lib.shardmuon_context_destroy(context)
