@@ -20,6 +20,7 @@ import argparse
 import collections
 import os
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -28,6 +29,12 @@ import torch.distributed as dist
 from bench_newton_schulz import (DTYPES, Timer, even_split, gather_shards, relative_error,
                                  torch_newton_schulz)
 from shardmuon.torch import NewtonSchulz
+
+
+# PyTorch (2.11 on the lent machines) warns that its profiler "clears events at the end of each
+# cycle" even where no schedule makes cycles, as here (a bug, fixed upstream in
+# pytorch/pytorch#180387): a line of noise in every profile.
+warnings.filterwarnings("ignore", message="Warning: Profiler clears events", category=UserWarning)
 
 
 def parse_case(text):
