@@ -2,7 +2,8 @@
 s x L matrix split along its long side over P ranks, through the library's C API with a
 callback communicator whose collectives do nothing (the stand-in of bench_rank_compute.cu).
 For each algorithm: the median time of a call (CUDA events; the algorithms' calls
-interleaved), then one call under torch.profiler, its kernels summed by name, and what the products and the passes took.
+interleaved), then one call under torch.profiler: its kernels summed by name, and the time of
+the products and of the other kernels.
 
     SHARDMUON_LIBRARY=build-gpu/libshardmuon.so python3 bench/profile_rank_compute.py \\
         --cases 8192x8192:2,4096x4096:2 [--algorithms gram_allreduce,gram_applied_twice]
