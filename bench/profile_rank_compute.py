@@ -68,6 +68,8 @@ def main():
     parser.add_argument("--schedule", default="quintic")
     parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("profile_rank_compute.py: needs a CUDA GPU (torch.cuda.is_available() is False)")
 
     context = ctypes.c_void_p()
     c.check(c.lib.shardmuon_context_create(c.BACKEND_CUDA, 0, ctypes.byref(context)))
