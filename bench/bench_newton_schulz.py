@@ -18,8 +18,9 @@ One process per GPU. Rows of the table:
 Times: CUDA events around one call, after warm-ups, median over repeats, the slowest rank's
 median. Useful TFLOP/s counts K (4 s^2 L + 2 s^3) for an s x L matrix (s <= L) whatever the
 algorithm. The floor is shardmuon's executed GEMM flops per GPU (its symmetric products
-included; (e)'s own where the algorithm column says "+ (e)", (c)'s where "+ (c)") over the GEMM rate measured at the
-start of the run, plus the communication it cannot hide at the all-reduce / all-to-all rates measured there.
+included; (e)'s own where the algorithm column says "+ (e)", (c)'s where "+ (c)") over the
+GEMM rate measured at the start of the run, plus the communication it cannot hide at the
+all-reduce / all-to-all rates measured there.
 Errors: relative Frobenius distance to a float64 Newton-Schulz of the gathered matrix.
 Power: under sustained bf16 GEMMs an H200 reaches its 700 W cap and lowers its SM clock (from
 1980 MHz to about 1500 in the eleventh session's runs), so a row can run at a lower clock than

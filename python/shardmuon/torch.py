@@ -1303,7 +1303,7 @@ class NewtonSchulz:
     def uses_applied_twice(self, shape, partition_dim=None, shard_sizes=None) -> bool:
         """Whether that call runs (c)'s iteration, the summed Gram applied twice (always under
         algorithm="gram_applied_twice"; under "auto" where the cost model finds it cheaper on a
-        Gram summed over the process group: from 3 ranks on for large square matrices)
+        Gram summed over the process group: large square matrices over 2 ranks or more)
         (no communication)."""
         return bool(self._ask_planner(c.lib.shardmuon_ns_plan_applied_twice, ctypes.c_int(), shape,
                                       partition_dim, shard_sizes))

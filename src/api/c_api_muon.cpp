@@ -18,8 +18,7 @@ namespace {
 struct ParamRun {
   shardmuon_ns_algorithm algorithm = SHARDMUON_NS_AUTO;
   int owner = -1;
-  bool gram_iteration = false;  // (e)
-  bool applied_twice = false;   // (c)
+  shardmuon::NsPlan::Iteration iteration = shardmuon::NsPlan::Iteration::kStandard;
 };
 
 std::vector<ParamRun> planned_runs(shardmuon_context_t context, shardmuon_comm_t comm,
@@ -36,12 +35,10 @@ std::vector<ParamRun> planned_runs(shardmuon_context_t context, shardmuon_comm_t
     const shardmuon::NsPlan& ns =
         plan.row_blocks.empty() ? plan.ns.plan : plan.row_blocks.front().ns.plan;
     runs[i].algorithm = shardmuon::reported_algorithm(ns);
-    runs[i].gram_iteration = ns.gram_iteration();
-    runs[i].applied_twice = ns.applied_twice();
+    runs[i].iteration = ns.iteration;
     for (const shardmuon::OwnedMatrix& m : step.owned) {
       if (m.param == i && m.block == 0) {  // the first of its matrices
-        runs[i] = {SHARDMUON_NS_OWNER, m.owner, m.whole.plan.gram_iteration(),
-                   m.whole.plan.applied_twice()};
+        runs[i] = {SHARDMUON_NS_OWNER, m.owner, m.whole.plan.iteration};
         break;
       }
     }
@@ -49,15 +46,15 @@ std::vector<ParamRun> planned_runs(shardmuon_context_t context, shardmuon_comm_t
   return runs;
 }
 
-// One of ParamRun's flags for every parameter, as 0 or 1 into out (named `name` in errors).
+// For every parameter, 1 into out where it runs `iteration`, else 0 (`name`: out in errors).
 void planned_flags(shardmuon_context_t context, shardmuon_comm_t comm,
                    const shardmuon_muon_param* params, int num_params,
-                   const shardmuon_muon_group* groups, int num_groups, bool ParamRun::*flag,
-                   int* out, const char* name) {
+                   const shardmuon_muon_group* groups, int num_groups,
+                   shardmuon::NsPlan::Iteration iteration, int* out, const char* name) {
   SHARDMUON_CHECK_ARG(out != nullptr || num_params == 0, name, " is NULL");
   const std::vector<ParamRun> runs =
       planned_runs(context, comm, params, num_params, groups, num_groups);
-  for (size_t i = 0; i < runs.size(); ++i) out[i] = runs[i].*flag ? 1 : 0;
+  for (size_t i = 0; i < runs.size(); ++i) out[i] = runs[i].iteration == iteration ? 1 : 0;
 }
 
 }  // namespace
@@ -151,8 +148,8 @@ shardmuon_status shardmuon_muon_plan_gram_iteration(
     shardmuon_context_t context, shardmuon_comm_t comm, const shardmuon_muon_param* params,
     int num_params, const shardmuon_muon_group* groups, int num_groups, int* gram_iteration) {
   return api_guard(__func__, [&] {
-    planned_flags(context, comm, params, num_params, groups, num_groups, &ParamRun::gram_iteration,
-                  gram_iteration, "gram_iteration");
+    planned_flags(context, comm, params, num_params, groups, num_groups,
+                  shardmuon::NsPlan::Iteration::kOnGram, gram_iteration, "gram_iteration");
   });
 }
 
@@ -160,8 +157,8 @@ shardmuon_status shardmuon_muon_plan_applied_twice(
     shardmuon_context_t context, shardmuon_comm_t comm, const shardmuon_muon_param* params,
     int num_params, const shardmuon_muon_group* groups, int num_groups, int* applied_twice) {
   return api_guard(__func__, [&] {
-    planned_flags(context, comm, params, num_params, groups, num_groups, &ParamRun::applied_twice,
-                  applied_twice, "applied_twice");
+    planned_flags(context, comm, params, num_params, groups, num_groups,
+                  shardmuon::NsPlan::Iteration::kAppliedTwice, applied_twice, "applied_twice");
   });
 }
 

@@ -1030,7 +1030,8 @@ TEST_F(MuonStepBatches, PlannedAppliedTwiceIsReported) {
           EXPECT_EQ(planned.algorithms[0], SHARDMUON_NS_GRAM_ALLREDUCE) << label;
         }
         // From 3 ranks on (c) takes fewer flops per rank than (b) on a large square matrix; on 2
-        // the model's times are within 1% (measured a tie), so there it only has to agree.
+        // the flops tie (the model prices (c) 6% below (b), measured 0.93-0.94x at 4096^2), too
+        // near to pin here, so there it only has to agree.
         if (algorithm == SHARDMUON_NS_AUTO && lone[0].w.rows == 4096 && p >= 3) {
           EXPECT_EQ(planned.twice[0], 1) << label;
         }
