@@ -10,7 +10,13 @@
 // Time: CUDA events around each launch, 5 warm-up runs, the median of 30; buffers of
 // 8192 x 28672 elements (470 MB each in bf16), far larger than the 60 MB L2. Then the passes
 // over GPT-2's 48 matrices in one call against a call per matrix (run_many); there the time
-// between the events includes any wait of the GPU for the host's launches.
+// between the events includes any wait of the GPU for the host's launches. Last, the
+// symmetric passes of a Newton-Schulz iteration on n x n Grams (n = 8192 and 16384), with a
+// copy of the same run:
+//   unpacking (a Gram summed over ranks): read the packed lower block columns (float32, or
+//     bf16 where NCCL sums bf16), write the whole matrix and its column squares in parts
+//   mirroring (a Gram or A A computed on one rank, lower tiles only): read the lower
+//     triangle, write the upper one (and the squares in parts, or the diagonal from them)
 //
 //   bench_elementwise [rows cols]
 #include <cuda_bf16.h>
@@ -20,12 +26,16 @@
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
+#include <initializer_list>
 #include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
 #include "core/backend.h"
+#include "core/dtype.h"
+#include "core/symmetric_tiles.h"
+#include "cuda/elementwise.cuh"
 #include "cuda/muon_kernels.cuh"
 
 namespace {
@@ -268,6 +278,105 @@ void run_many(const char* dtype_name, shardmuon_dtype dtype) {
   cudaStreamDestroy(stream);
 }
 
+// The symmetric passes on an n x n matrix: the unpacking from each source dtype of the packed
+// Gram (split as the library splits it, SymmetricTiles::split at the CUDA backend's default
+// block target of 1024) and the two mirroring passes of an iteration on one rank (the Gram's,
+// which writes the column squares; P's, which sets the diagonal from them). Bytes moved: the
+// packed elements read (the diagonal tiles whole), n^2 elements written or (mirroring) read
+// and written, and the column squares' parts (float32, one row of n per 64-row band).
+void run_symmetric(int64_t n) {
+  const shardmuon::SymmetricTiles tiles = shardmuon::SymmetricTiles::split(n, 1024);
+  const int64_t packed_elements = tiles.packed_elements();
+  const int64_t parts = shardmuon::column_square_parts_cuda(n);
+  const double parts_bytes = static_cast<double>(parts * n) * sizeof(float);
+  float *packed32, *full32, *square_parts, *copy;
+  __nv_bfloat16 *packed16, *full16;
+  check(cudaMalloc(&packed32, packed_elements * sizeof(float)), "cudaMalloc");
+  check(cudaMalloc(&packed16, packed_elements * sizeof(__nv_bfloat16)), "cudaMalloc");
+  check(cudaMalloc(&full32, n * n * sizeof(float)), "cudaMalloc");
+  check(cudaMalloc(&full16, n * n * sizeof(__nv_bfloat16)), "cudaMalloc");
+  check(cudaMalloc(&copy, n * n * sizeof(float)), "cudaMalloc");
+  check(cudaMalloc(&square_parts, parts * n * sizeof(float)), "cudaMalloc");
+  fill<<<4096, 256>>>(packed32, packed_elements, 21);
+  fill<<<4096, 256>>>(packed16, packed_elements, 22);
+  fill<<<4096, 256>>>(full32, n * n, 23);
+  fill<<<4096, 256>>>(full16, n * n, 24);
+  check(cudaDeviceSynchronize(), "fill");
+  cudaStream_t stream;
+  check(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+
+  struct Row {
+    const char* name;
+    double bytes_moved;
+    float ms;
+  };
+  std::vector<Row> rows;
+  const double matrix32 = static_cast<double>(n * n) * sizeof(float);
+  rows.push_back({"copy (device to device)", 2.0 * matrix32,
+                  median_ms(
+                      [&](cudaStream_t s) {
+                        check(cudaMemcpyAsync(copy, full32, matrix32, cudaMemcpyDeviceToDevice, s),
+                              "copy");
+                      },
+                      stream)});
+  auto time_unpack = [&](const char* name, const void* packed, shardmuon_dtype source, void* dst,
+                         shardmuon_dtype dst_type) {
+    const double bytes = static_cast<double>(packed_elements) * shardmuon::element_size(source) +
+                         static_cast<double>(n * n) * shardmuon::element_size(dst_type) +
+                         parts_bytes;
+    rows.push_back({name, bytes,
+                    median_ms(
+                        [&](cudaStream_t s) {
+                          shardmuon::unpack_symmetric_cuda(packed, source, tiles, 1, dst, dst_type,
+                                                           0.5, square_parts, s);
+                        },
+                        stream)});
+  };
+  time_unpack("unpack float32 -> bf16", packed32, SHARDMUON_FLOAT32, full16, SHARDMUON_BFLOAT16);
+  time_unpack("unpack bf16 -> bf16", packed16, SHARDMUON_BFLOAT16, full16, SHARDMUON_BFLOAT16);
+  time_unpack("unpack float32 -> float32", packed32, SHARDMUON_FLOAT32, full32, SHARDMUON_FLOAT32);
+  const double matrix16 = static_cast<double>(n * n) * sizeof(__nv_bfloat16);
+  rows.push_back({"mirror bf16, squares out", matrix16 + parts_bytes,
+                  median_ms(
+                      [&](cudaStream_t s) {
+                        shardmuon::mirror_lower_cuda(full16, SHARDMUON_BFLOAT16, n, 1,
+                                                     shardmuon::SymmetricDiagonal{}, square_parts,
+                                                     false, s);
+                      },
+                      stream)});
+  // P's pass: diagonal = shift + scale A_ii + square_scale |A_:i|^2 (contracting, so that the
+  // repeated calls keep the values finite), its squares read from their parts.
+  shardmuon::SymmetricDiagonal diagonal;
+  diagonal.squares = square_parts;
+  diagonal.square_scale = 1e-6;
+  diagonal.scale = 0.5;
+  diagonal.addend = full16;
+  diagonal.shift = 1.0;
+  rows.push_back({"mirror bf16, diagonal set", matrix16 + parts_bytes,
+                  median_ms(
+                      [&](cudaStream_t s) {
+                        shardmuon::mirror_lower_cuda(full16, SHARDMUON_BFLOAT16, n, 1, diagonal,
+                                                     nullptr, false, s);
+                      },
+                      stream)});
+
+  const double copy_rate = rows[0].bytes_moved / (rows[0].ms * 1e-3) / 1e9;
+  std::printf("\nsymmetric passes, n = %lld (%d blocks of the packed Gram)\n",
+              static_cast<long long>(n), tiles.blocks());
+  std::printf("%-28s %10s %12s %10s %14s\n", "pass", "time (ms)", "GB moved", "GB/s",
+              "of copy GB/s");
+  for (const Row& row : rows) {
+    const double rate = row.bytes_moved / (row.ms * 1e-3) / 1e9;
+    std::printf("%-28s %10.3f %12.2f %10.0f %13.1f%%\n", row.name, row.ms, row.bytes_moved / 1e9,
+                rate, 100.0 * rate / copy_rate);
+  }
+  for (void* buffer :
+       std::initializer_list<void*>{packed32, packed16, full32, full16, copy, square_parts}) {
+    cudaFree(buffer);
+  }
+  cudaStreamDestroy(stream);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -280,5 +389,6 @@ int main(int argc, char** argv) {
   run<float>("float32", SHARDMUON_FLOAT32, rows, cols);
   run_many<__nv_bfloat16>("bf16", SHARDMUON_BFLOAT16);
   run_many<float>("float32", SHARDMUON_FLOAT32);
+  for (const int64_t n : {8192, 16384}) run_symmetric(n);
   return 0;
 }

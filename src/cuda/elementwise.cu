@@ -156,11 +156,13 @@ template <>
 struct Pair<float> {
   using type = float2;
   __device__ static type make(float x, float y) { return make_float2(x, y); }
+  __device__ static float2 widen(type pair) { return pair; }
 };
 template <>
 struct Pair<__nv_bfloat16> {
   using type = __nv_bfloat162;
   __device__ static type make(float x, float y) { return __floats2bfloat162_rn(x, y); }
+  __device__ static float2 widen(type pair) { return __bfloat1622float2(pair); }
 };
 
 template <typename Destination>
@@ -184,17 +186,43 @@ __device__ void lower_tile_of(int64_t k, int64_t tiles, int64_t& tile_row, int64
   tile_col = k - tile_row * (tile_row - 1) / 2;
 }
 
+// Entries index and index + 1 of x (index even), as stored and widened.
+template <typename T>
+__device__ __forceinline__ typename Pair<T>::type load_stored_pair(const T* x, int64_t index) {
+  return *reinterpret_cast<const typename Pair<T>::type*>(x + index);
+}
 template <typename T>
 __device__ __forceinline__ float2 load_pair(const T* x, int64_t index) {
-  return make_float2(to_float(x[index]), to_float(x[index + 1]));
+  return Pair<T>::widen(load_stored_pair(x, index));
 }
-template <>
-__device__ __forceinline__ float2 load_pair(const __nv_bfloat16* x, int64_t index) {
-  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(x + index));
+
+// The unpacking's loads: this thread's pairs (rows r and r + 1, as stored) of the lower 64 x 64
+// tile's columns col0 + y, y = threadIdx.y + k kThreadsY for k < kColumnsPerThread, all
+// issued before any is used. Loaded, widened and stored into shared memory one pair after
+// the other, each widening waited for its load: one load in flight per warp. Loading all
+// first took an 8192^2 unpacking from 141 to 111 us (float32 source) and from 135 to 110 us
+// (bf16), about 1.25x (docs/BENCHMARKS.md, twenty-ninth session). The mirroring pass did not
+// gain that way (its registers went from 32 to 47, its blocks per SM from 8 to 5) and loads
+// as before. Pairs outside the matrix or above the diagonal are not loaded; where r + 1 == c
+// the pair is loaded whole: its first entry (r, c), above the diagonal of a diagonal tile,
+// which the packed layout holds too, is never used. index_of(y) is the index of entry
+// (r, col0 + y), even.
+constexpr int kColumnsPerThread = kTile / kThreadsY;
+template <typename T>
+using StoredPairs = typename Pair<T>::type[kColumnsPerThread];
+__device__ __forceinline__ bool pair_on_or_below_diagonal(int64_t r, int64_t c, int64_t n) {
+  return r < n && c < n && r + 1 >= c;
 }
-template <>
-__device__ __forceinline__ float2 load_pair(const float* x, int64_t index) {
-  return *reinterpret_cast<const float2*>(x + index);
+template <typename T, typename IndexOf>
+__device__ __forceinline__ void load_lower_pairs(const T* source, int64_t r, int64_t col0,
+                                                 int64_t n, IndexOf index_of,
+                                                 StoredPairs<T>& pairs) {
+#pragma unroll
+  for (int k = 0; k < kColumnsPerThread; ++k) {
+    const int y = threadIdx.y + k * kThreadsY;
+    pairs[k] = Pair<T>::make(0.0f, 0.0f);
+    if (pair_on_or_below_diagonal(r, col0 + y, n)) pairs[k] = load_stored_pair(source, index_of(y));
+  }
 }
 
 // Column squares in parts (Backend::column_square_parts: one per 64-row band of tiles),
@@ -282,20 +310,21 @@ __global__ void __launch_bounds__(kThreadsX* kThreadsY)
     const int i = layout.block_of(r);
     row = {layout.starts[i], layout.starts[i + 1] - layout.starts[i], r - layout.starts[i]};
   }
-  for (int y = threadIdx.y; y < kTile; y += kThreadsY) {
+  StoredPairs<Source> pairs;
+  load_lower_pairs(
+      packed, r, col0, n, [&](int y) { return row.index(columns[y]); }, pairs);
+#pragma unroll
+  for (int k = 0; k < kColumnsPerThread; ++k) {
+    const int y = threadIdx.y + k * kThreadsY;
     const int64_t c = col0 + y;
-    if (r >= n || c >= n || r + 1 < c) continue;  // outside, or above the diagonal
+    if (!pair_on_or_below_diagonal(r, c, n)) continue;
     // Held as stored: shifted on the diagonal, rounded to the destination's dtype.
-    const int64_t pair_start = row.index(columns[y]);
+    const float2 pair = Pair<Source>::widen(pairs[k]);
     if (r >= c) {
-      const float2 pair = load_pair(packed, pair_start);
       tile[y][row_in_tile] = to_float(from_float<Destination>(pair.x + (r == c ? shift : 0.0f)));
-      tile[y][row_in_tile + 1] =
-          to_float(from_float<Destination>(pair.y + (r + 1 == c ? shift : 0.0f)));
-    } else {  // r + 1 == c: only the second row is on or below the diagonal
-      tile[y][row_in_tile + 1] =
-          to_float(from_float<Destination>(to_float(packed[pair_start + 1]) + shift));
     }
+    tile[y][row_in_tile + 1] =
+        to_float(from_float<Destination>(pair.y + (r + 1 == c ? shift : 0.0f)));
   }
   __syncthreads();
 
