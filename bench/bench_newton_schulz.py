@@ -16,11 +16,12 @@ One process per GPU. Rows of the table:
     long-side shards; short-side shards are first moved to long-side ones with one
     all_to_all and moved back after, as the library's (d) does).
 Times: CUDA events around one call, after warm-ups, median over repeats, the slowest rank's
-median. Useful TFLOP/s counts K (4 s^2 L + 2 s^3) for an s x L matrix (s <= L) whatever the
-algorithm. The floor is shardmuon's executed GEMM flops per GPU (its symmetric products
-included; (e)'s own where the algorithm column says "+ (e)", (c)'s where "+ (c)") over the
-GEMM rate measured at the start of the run, plus the communication it cannot hide at the
-all-reduce / all-to-all rates measured there.
+median; shardmuon and the baselines of a row timed in turn, call by call. Useful TFLOP/s counts
+K (4 s^2 L + 2 s^3) for an s x L matrix (s <= L) whatever the algorithm. The floor is
+shardmuon's executed GEMM flops per GPU (its symmetric products included; (e)'s own where the
+algorithm column says "+ (e)", (c)'s where "+ (c)") over the GEMM rate measured at the start of
+the run, plus the communication it cannot hide at the all-reduce / all-to-all rates measured
+there.
 Errors: relative Frobenius distance to a float64 Newton-Schulz of the gathered matrix.
 Power: under sustained bf16 GEMMs an H200 reaches its 700 W cap and lowers its SM clock (from
 1980 MHz to about 1500 in the eleventh session's runs), so a row can run at a lower clock than
@@ -135,28 +136,39 @@ def sm_clock_mhz():
 class Timer:
     def __init__(self, warmups, repeats, world):
         self.warmups, self.repeats, self.world = warmups, repeats, world
-        self.clock_mhz = None  # the median SM clock read after each of the last measurement's timed calls
+        self.clock_mhz = None  # the median SM clock read after each of the first case's timed calls
+
+    def medians_ms(self, cases, across_ranks=True):
+        """The median time of each (prepare, run) case, the cases timed in turn, call by call.
+        Under sustained GEMMs the GPU lowers its clock (see Power above): timed one case after
+        the other, the case timed last ran at the lowest clock, which moved ratios between the
+        same algorithms by up to 0.07 from run to run (bench_rank_compute, twenty-eighth
+        session). With more than one rank, the slowest rank's median."""
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = [[] for _ in cases]
+        clocks = []
+        for i in range(self.warmups + self.repeats):
+            for case, (prepare, run) in enumerate(cases):
+                prepare()
+                torch.cuda.synchronize()
+                if self.world > 1:
+                    dist.barrier()
+                start.record()
+                run()
+                end.record()
+                end.synchronize()
+                if i >= self.warmups:
+                    times[case].append(start.elapsed_time(end))
+                    if case == 0:
+                        clocks.append(sm_clock_mhz())
+        self.clock_mhz = None if None in clocks else statistics.median(clocks)
+        medians = torch.tensor([statistics.median(t) for t in times], device="cuda")
+        if self.world > 1 and across_ranks:
+            dist.all_reduce(medians, op=dist.ReduceOp.MAX)
+        return [float(m) for m in medians]
 
     def median_ms(self, prepare, run, across_ranks=True):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        times, clocks = [], []
-        for i in range(self.warmups + self.repeats):
-            prepare()
-            torch.cuda.synchronize()
-            if self.world > 1:
-                dist.barrier()
-            start.record()
-            run()
-            end.record()
-            end.synchronize()
-            if i >= self.warmups:
-                times.append(start.elapsed_time(end))
-                clocks.append(sm_clock_mhz())
-        self.clock_mhz = None if None in clocks else statistics.median(clocks)
-        median = torch.tensor(statistics.median(times), device="cuda")
-        if self.world > 1 and across_ranks:
-            dist.all_reduce(median, op=dist.ReduceOp.MAX)
-        return float(median)
+        return self.medians_ms([(prepare, run)], across_ranks)[0]
 
 
 class GemmRate:
@@ -386,14 +398,8 @@ def main():
                 reference = torch_newton_schulz(matrix.double(), coefficients, torch.float64)
                 tolerance = TOLERANCE[dtype_name]
 
-                # One GPU: every rank on its own.
+                # One GPU: every rank on its own, shardmuon and torch timed in turn.
                 work = torch.empty_like(matrix)
-                ms = timer.median_ms(lambda: work.copy_(matrix), lambda: ns_local(work, (rows, cols)),
-                                     across_ranks=False)
-                compute, comm = floor_ms(s, length, steps, rates, dtype_name, 1, "local",
-                                         local_iteration)
-                power = power_columns(timer, gemm_rates[dtype_name], compute, comm, ms, across_ranks=False)
-                error = relative_error(work, reference)
                 use_own = optim_muon is not None and dtype_name == "bf16" and schedule == "quintic"
 
                 def torch_one():
@@ -401,7 +407,13 @@ def main():
                         return optim_muon(matrix, coefficients[0], steps, EPS)
                     return torch_newton_schulz(matrix, coefficients, dtype)
 
-                torch_ms = timer.median_ms(lambda: None, torch_one, across_ranks=False)
+                ms, torch_ms = timer.medians_ms(
+                    [(lambda: work.copy_(matrix), lambda: ns_local(work, (rows, cols))),
+                     (lambda: None, torch_one)], across_ranks=False)
+                compute, comm = floor_ms(s, length, steps, rates, dtype_name, 1, "local",
+                                         local_iteration)
+                power = power_columns(timer, gemm_rates[dtype_name], compute, comm, ms, across_ranks=False)
+                error = relative_error(work, reference)
                 # torch.optim.Muon's function takes one (a, b, c) for every step: it runs the
                 # schedule's first step `steps` times (the same flops), so its error is measured
                 # against a float64 run of that iteration.
@@ -428,19 +440,10 @@ def main():
                     algorithm = ns.plan((rows, cols), dim, sizes)
                     iteration = iteration_of(ns, (rows, cols), dim, sizes)
                     work = torch.empty_like(shard)
-                    ms = timer.median_ms(lambda: work.copy_(shard), lambda: ns(work, (rows, cols), dim, sizes))
-                    compute, comm = floor_ms(s, length, steps, rates, dtype_name, world, algorithm,
-                                             iteration)
-                    power = power_columns(timer, gemm_rates[dtype_name], compute, comm, ms, across_ranks=True)
-                    error = relative_error(gather_shards(work, dim, sizes, world), reference)
 
                     def all_gather_baseline():
                         whole = gather_shards(shard, dim, sizes, world)
                         return torch_newton_schulz(whole, coefficients, dtype).narrow(dim, offset, sizes[rank])
-
-                    gather_ms = timer.median_ms(lambda: None, all_gather_baseline)
-                    gathered = gather_shards(all_gather_baseline().contiguous(), dim, sizes, world)
-                    gather_error = relative_error(gathered, reference)
 
                     long_dim = 1 if cols >= rows else 0
                     gram_out = torch.empty_like(shard)
@@ -459,7 +462,17 @@ def main():
                             result = result if long_dim == 1 else result.mT
                             gram_out.copy_(exchange_blocks(result, dim, sizes, 1 - dim, long_sizes, rank))
 
-                    gram_ms = timer.median_ms(lambda: None, gram_baseline)
+                    # shardmuon and the two baselines timed in turn (work then holds shardmuon's
+                    # result).
+                    ms, gather_ms, gram_ms = timer.medians_ms(
+                        [(lambda: work.copy_(shard), lambda: ns(work, (rows, cols), dim, sizes)),
+                         (lambda: None, all_gather_baseline), (lambda: None, gram_baseline)])
+                    compute, comm = floor_ms(s, length, steps, rates, dtype_name, world, algorithm,
+                                             iteration)
+                    power = power_columns(timer, gemm_rates[dtype_name], compute, comm, ms, across_ranks=True)
+                    error = relative_error(gather_shards(work, dim, sizes, world), reference)
+                    gathered = gather_shards(all_gather_baseline().contiguous(), dim, sizes, world)
+                    gather_error = relative_error(gathered, reference)
                     gram_baseline()
                     gram_error = relative_error(gather_shards(gram_out, dim, sizes, world), reference)
                     passes = error <= tolerance
