@@ -278,14 +278,15 @@ void run_many(const char* dtype_name, shardmuon_dtype dtype) {
   cudaStreamDestroy(stream);
 }
 
-// The symmetric passes on an n x n matrix: the unpacking from each source dtype of the packed
-// Gram (split as the library splits it, SymmetricTiles::split at the CUDA backend's default
-// block target of 1024) and the two mirroring passes of an iteration on one rank (the Gram's,
-// which writes the column squares; P's, which sets the diagonal from them). Bytes moved: the
-// packed elements read (the diagonal tiles whole), n^2 elements written or (mirroring) read
-// and written, and the column squares' parts (float32, one row of n per 64-row band).
+// The symmetric passes on an n x n matrix: the unpacking from each source dtype of the packed Gram
+// (split as the library splits it: SymmetricTiles::split at the CUDA backend's default block
+// target, 16 blocks at 8192 and at 16384) and the two mirroring passes of an iteration on one rank
+// (the Gram's, which writes the column squares; P's, which sets the diagonal from them). Bytes
+// moved: the packed elements read (the diagonal tiles whole), n^2 elements written or (mirroring)
+// read and written, and the column squares' parts (float32, one row of n per 64-row band).
 void run_symmetric(int64_t n) {
-  const shardmuon::SymmetricTiles tiles = shardmuon::SymmetricTiles::split(n, 1024);
+  const shardmuon::SymmetricTiles tiles =
+      shardmuon::SymmetricTiles::split(n, shardmuon::SymmetricTiles::kDefaultBlockTarget);
   const int64_t packed_elements = tiles.packed_elements();
   const int64_t parts = shardmuon::column_square_parts_cuda(n);
   const double parts_bytes = static_cast<double>(parts * n) * sizeof(float);

@@ -112,9 +112,9 @@ gpu_unit() {
   results+=("GPU unit tests: rc=$rc $(grep -E 'PASSED|FAILED  \]|SKIPPED \]' "$log" | sed 's/\x1b\[[0-9;]*m//g' | tr '\n' ' ')")
 }
 # The Newton-Schulz and step tests on 1 GPU with narrow symmetric blocks (96 and 32 columns
-# instead of 1024): the test matrices then split into several block columns whose starts are
-# not multiples of the unpacking kernel's 64-wide tiles, which the default width never gives
-# them.
+# instead of the default 512): the test matrices then split into several block columns whose
+# starts are not multiples of the unpacking kernel's 64-wide tiles, which the default width
+# never gives them.
 narrow_blocks() {
   local block log rc
   for block in 96 32; do
