@@ -21,7 +21,6 @@ import collections
 import ctypes
 import functools
 import os
-import statistics
 import sys
 import warnings
 
@@ -29,6 +28,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 from shardmuon import _capi as c  # noqa: E402
+from bench_newton_schulz import Timer  # noqa: E402
 
 
 # PyTorch (2.11 on the lent machines) warns that its profiler "clears events at the end of each
@@ -98,17 +98,9 @@ def main():
                 c.BFLOAT16, ctypes.byref(layout), ctypes.byref(options), ctypes.c_void_p(stream.cuda_stream)))
         # The algorithms' calls interleaved, one of each a round (3 warm-up rounds, the median of
         # 15), so that the GPU's clock, falling as it heats, weighs on them alike.
-        times = collections.defaultdict(list)
-        for turn in range(18):
-            for algorithm, call in zip(algorithms, calls):
-                block.copy_(source)
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                c.check(call())
-                end.record()
-                end.synchronize()
-                if turn >= 3:
-                    times[algorithm].append(start.elapsed_time(end))
+        medians = Timer(warmups=3, repeats=15, world=1).medians_ms(
+            [(lambda: block.copy_(source), lambda call=call: c.check(call())) for call in calls])
+        median = dict(zip(algorithms, medians))
         for algorithm, call in zip(algorithms, calls):
             block.copy_(source)
             torch.cuda.synchronize()
@@ -123,7 +115,7 @@ def main():
             products = sum(t for name, t in totals.items() if is_product(name))
             passes = sum(t for name, t in totals.items() if not is_product(name))
             print(f"\n## {s}x{length} over {ranks} (block {s}x{sizes[0]}), {algorithm}: "
-                  f"median {statistics.median(times[algorithm]):.3f} ms; profiled call: products "
+                  f"median {median[algorithm]:.3f} ms; profiled call: products "
                   f"{products / 1e3:.3f} ms, other kernels {passes / 1e3:.3f} ms, {len(kernels)} kernels")
             print("| total (us) | launches | kernel |\n|---|---|---|")
             for name, total in sorted(totals.items(), key=lambda item: -item[1]):
