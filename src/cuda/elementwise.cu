@@ -147,28 +147,100 @@ constexpr int kTile = 64;
 __host__ __device__ inline int64_t tiles_per_side(int64_t n) {
   return (n + kTile - 1) / kTile;
 }
-constexpr int kThreadsX = 32;  // times two rows: a tile column
-constexpr int kThreadsY = 8;   // columns per pass
+constexpr int kTileThreads = 256;  // threads of a block over a 64 x 64 tile
 
-template <typename T>
-struct Pair;
+// R consecutive entries of a column (R = 2 or 4) as one access of 4, 8 or 16 bytes: Run<T,
+// R>::type, stored, or widened to float32 (the passes compute in float32) and made from it,
+// rounded to nearest even. Its callers keep every run at an index that is a multiple of R, on
+// buffers aligned to R entries.
+template <typename T, int R>
+struct Run;
 template <>
-struct Pair<float> {
+struct Run<float, 2> {
   using type = float2;
-  __device__ static type make(float x, float y) { return make_float2(x, y); }
-  __device__ static float2 widen(type pair) { return pair; }
+  __device__ static void widen(type run, float (&values)[2]) {
+    values[0] = run.x;
+    values[1] = run.y;
+  }
+  __device__ static type make(const float (&values)[2]) {
+    return make_float2(values[0], values[1]);
+  }
 };
 template <>
-struct Pair<__nv_bfloat16> {
-  using type = __nv_bfloat162;
-  __device__ static type make(float x, float y) { return __floats2bfloat162_rn(x, y); }
-  __device__ static float2 widen(type pair) { return __bfloat1622float2(pair); }
+struct Run<float, 4> {
+  using type = float4;
+  __device__ static void widen(type run, float (&values)[4]) {
+    values[0] = run.x;
+    values[1] = run.y;
+    values[2] = run.z;
+    values[3] = run.w;
+  }
+  __device__ static type make(const float (&values)[4]) {
+    return make_float4(values[0], values[1], values[2], values[3]);
+  }
 };
+template <>
+struct Run<__nv_bfloat16, 2> {
+  using type = __nv_bfloat162;
+  __device__ static void widen(type run, float (&values)[2]) {
+    const float2 pair = __bfloat1622float2(run);
+    values[0] = pair.x;
+    values[1] = pair.y;
+  }
+  __device__ static type make(const float (&values)[2]) {
+    return __floats2bfloat162_rn(values[0], values[1]);
+  }
+};
+template <>
+struct Run<__nv_bfloat16, 4> {
+  using type = uint2;  // two bf16 pairs, rows r, r + 1 in .x and r + 2, r + 3 in .y
+  __device__ static void widen(type run, float (&values)[4]) {
+    const float2 low = __bfloat1622float2(bit_cast<__nv_bfloat162>(run.x));
+    const float2 high = __bfloat1622float2(bit_cast<__nv_bfloat162>(run.y));
+    values[0] = low.x;
+    values[1] = low.y;
+    values[2] = high.x;
+    values[3] = high.y;
+  }
+  __device__ static type make(const float (&values)[4]) {
+    return make_uint2(bit_cast<unsigned int>(__floats2bfloat162_rn(values[0], values[1])),
+                      bit_cast<unsigned int>(__floats2bfloat162_rn(values[2], values[3])));
+  }
 
-template <typename Destination>
-__device__ __forceinline__ void store_pair(Destination* dst, int64_t index, float x, float y) {
-  *reinterpret_cast<typename Pair<Destination>::type*>(dst + index) = Pair<Destination>::make(x, y);
+ private:
+  template <typename To, typename From>
+  __device__ static To bit_cast(From from) {
+    static_assert(sizeof(To) == sizeof(From), "bit_cast between types of one size");
+    To to;
+    memcpy(&to, &from, sizeof(To));
+    return to;
+  }
+};
+template <typename T, int R>
+using RunType = typename Run<T, R>::type;
+template <typename T, int R>
+__device__ __forceinline__ RunType<T, R> load_run(const T* x, int64_t index) {
+  return *reinterpret_cast<const RunType<T, R>*>(x + index);
 }
+// A plain assignment of a float2 or float4 run here came out of the compiler as 2 or 4
+// scalar stores (in the PTX of every instantiation with a float32 destination); __stwb (a
+// store with the default write-back policy) is one vector store.
+template <typename T, int R>
+__device__ __forceinline__ void store_run(T* x, int64_t index, const float (&values)[R]) {
+  __stwb(reinterpret_cast<RunType<T, R>*>(x + index), Run<T, R>::make(values));
+}
+
+// A block's threads over a 64 x 64 tile in runs of R rows: R rows each down a column, kX of
+// them to a tile column, kY columns at a time, kColumnsPerThread<R> columns in all. The
+// mirroring pass takes runs of 2 (kMirrorRows), the unpacking runs of 4 (kUnpackRows).
+template <int R>
+struct TileThreads {
+  static constexpr int kX = kTile / R;
+  static constexpr int kY = kTileThreads / kX;
+};
+template <int R>
+constexpr int kColumnsPerThread = kTile / TileThreads<R>::kY;
+constexpr int kMirrorRows = 2;
 
 // The lower 64 x 64 tile (I, J), I >= J, of block k of the grid: the diagonal tiles first
 // (k = I), then the others (k = tiles + I (I - 1) / 2 + J, J < I). A diagonal tile does the
@@ -186,42 +258,30 @@ __device__ void lower_tile_of(int64_t k, int64_t tiles, int64_t& tile_row, int64
   tile_col = k - tile_row * (tile_row - 1) / 2;
 }
 
-// Entries index and index + 1 of x (index even), as stored and widened.
-template <typename T>
-__device__ __forceinline__ typename Pair<T>::type load_stored_pair(const T* x, int64_t index) {
-  return *reinterpret_cast<const typename Pair<T>::type*>(x + index);
+// The unpacking's loads: this thread's runs (rows r to r + R - 1, as stored) of the lower
+// 64 x 64 tile's columns col0 + y, y = threadIdx.y + k kY for k < kColumnsPerThread<R>, all issued
+// before any is used. Loaded, widened and stored into shared memory one after the other, each
+// widening waited for its load: one load in flight per warp. Loading all first took an
+// 8192^2 unpacking from 141 to 111 us (float32 source) and from 135 to 110 us (bf16), about
+// 1.25x (docs/BENCHMARKS.md, twenty-ninth session). The mirroring pass did not gain that way
+// (its registers went from 32 to 47, its blocks per SM from 8 to 5) and loads as before.
+// Runs outside the matrix or wholly above the diagonal are not loaded; a run that crosses
+// the diagonal is loaded whole: its entries above the diagonal of a diagonal tile, which the
+// packed layout holds too (its blocks' starts are multiples of 32), are never used.
+// index_of(y) is the index of entry (r, col0 + y), a multiple of R.
+template <int R>
+__device__ __forceinline__ bool run_on_or_below_diagonal(int64_t r, int64_t c, int64_t n) {
+  return r < n && c < n && r + (R - 1) >= c;
 }
-template <typename T>
-__device__ __forceinline__ float2 load_pair(const T* x, int64_t index) {
-  return Pair<T>::widen(load_stored_pair(x, index));
-}
-
-// The unpacking's loads: this thread's pairs (rows r and r + 1, as stored) of the lower 64 x 64
-// tile's columns col0 + y, y = threadIdx.y + k kThreadsY for k < kColumnsPerThread, all
-// issued before any is used. Loaded, widened and stored into shared memory one pair after
-// the other, each widening waited for its load: one load in flight per warp. Loading all
-// first took an 8192^2 unpacking from 141 to 111 us (float32 source) and from 135 to 110 us
-// (bf16), about 1.25x (docs/BENCHMARKS.md, twenty-ninth session). The mirroring pass did not
-// gain that way (its registers went from 32 to 47, its blocks per SM from 8 to 5) and loads
-// as before. Pairs outside the matrix or above the diagonal are not loaded; where r + 1 == c
-// the pair is loaded whole: its first entry (r, c), above the diagonal of a diagonal tile,
-// which the packed layout holds too, is never used. index_of(y) is the index of entry
-// (r, col0 + y), even.
-constexpr int kColumnsPerThread = kTile / kThreadsY;
-template <typename T>
-using StoredPairs = typename Pair<T>::type[kColumnsPerThread];
-__device__ __forceinline__ bool pair_on_or_below_diagonal(int64_t r, int64_t c, int64_t n) {
-  return r < n && c < n && r + 1 >= c;
-}
-template <typename T, typename IndexOf>
-__device__ __forceinline__ void load_lower_pairs(const T* source, int64_t r, int64_t col0,
-                                                 int64_t n, IndexOf index_of,
-                                                 StoredPairs<T>& pairs) {
+template <typename T, int R, typename IndexOf>
+__device__ __forceinline__ void load_lower_runs(const T* source, int64_t r, int64_t col0, int64_t n,
+                                                IndexOf index_of,
+                                                RunType<T, R> (&runs)[kColumnsPerThread<R>]) {
 #pragma unroll
-  for (int k = 0; k < kColumnsPerThread; ++k) {
-    const int y = threadIdx.y + k * kThreadsY;
-    pairs[k] = Pair<T>::make(0.0f, 0.0f);
-    if (pair_on_or_below_diagonal(r, col0 + y, n)) pairs[k] = load_stored_pair(source, index_of(y));
+  for (int k = 0; k < kColumnsPerThread<R>; ++k) {
+    const int y = threadIdx.y + k * TileThreads<R>::kY;
+    runs[k] = RunType<T, R>{};
+    if (run_on_or_below_diagonal<R>(r, col0 + y, n)) runs[k] = load_run<T, R>(source, index_of(y));
   }
 }
 
@@ -232,11 +292,12 @@ __device__ __forceinline__ void load_lower_pairs(const T* source, int64_t r, int
 // mirror tile (J, I), are part J of the columns of block I. So every part of every column is
 // written by exactly one tile. A diagonal tile sums the columns of the symmetric tile. Every
 // thread of the block takes a quarter of a column and of a row (scratch holds the quarters),
-// added in a fixed order: the same bits every call. All the block's threads must call it.
+// added in a fixed order: the same bits every call. All the block's kTileThreads threads
+// must call it.
 constexpr int kQuarter = kTile / 4;
 __device__ void write_square_parts(const float (*tile)[kTile + 1], float (*scratch)[kTile],
                                    int64_t tile_row, int64_t tile_col, int64_t n, float* parts) {
-  const int thread = threadIdx.y * kThreadsX + threadIdx.x;
+  const int thread = threadIdx.y * blockDim.x + threadIdx.x;
   const int lane = thread % kTile, quarter = thread / kTile;  // 4 quarters of 64 threads
   const int64_t row0 = tile_row * kTile, col0 = tile_col * kTile;
   const int rows = n - row0 < kTile ? static_cast<int>(n - row0) : kTile;
@@ -264,23 +325,34 @@ __device__ void write_square_parts(const float (*tile)[kTile + 1], float (*scrat
 }
 
 // The mirror of an off-diagonal lower tile (I, J), held in shared memory as tile[column][row]:
-// tile (J, I). With row0 = 64 I and col0 = 64 J, its column row0 + y, rows col0 + 2x and
-// col0 + 2x + 1, holds the lower entries (row0 + y, col0 + 2x) and (row0 + y, col0 + 2x + 1).
-// Each thread stores pairs, as it loaded them.
-template <typename T>
+// tile (J, I). With row0 = 64 I and col0 = 64 J, its column row0 + y, rows col0 + R x to
+// col0 + R x + R - 1, holds the lower entries (row0 + y, col0 + R x + j). Each thread stores
+// runs of R, as the threads of TileThreads<R> load them.
+template <int R, typename T>
 __device__ void store_mirror_tile(const float (*tile)[kTile + 1], int64_t tile_row,
                                   int64_t tile_col, int64_t n, T* matrix) {
-  const int row_in_tile = 2 * threadIdx.x;
+  const int row_in_tile = R * threadIdx.x;
   const int64_t upper_row = tile_col * kTile + row_in_tile;
-  for (int y = threadIdx.y; y < kTile; y += kThreadsY) {
+  for (int y = threadIdx.y; y < kTile; y += TileThreads<R>::kY) {
     const int64_t upper_col = tile_row * kTile + y;
     if (upper_row >= n || upper_col >= n) continue;
-    store_pair(matrix, upper_col * n + upper_row, tile[row_in_tile][y], tile[row_in_tile + 1][y]);
+    float values[R];
+#pragma unroll
+    for (int j = 0; j < R; ++j) values[j] = tile[row_in_tile + j][y];
+    store_run<T, R>(matrix, upper_col * n + upper_row, values);
   }
 }
 
+// unpack_symmetric in runs of four rows a thread (TileThreads<4>: 8-byte bf16 and 16-byte
+// float32 accesses). Against runs of two, 1.17-1.24x faster from float32 and from bf16 sources
+// and 1.10-1.12x to float32 at 8192^2 and 16384^2, on an H200, where the kernel is bound by
+// the instructions it issues, not by its bytes (docs/BENCHMARKS.md, thirtieth session). The
+// side is a multiple of 4 (the library's are multiples of 8), so the packed layout's block
+// starts (multiples of 32), widths and offsets keep every run at an index that is a multiple
+// of 4, and a run never straddles a block or the edge.
+constexpr int kUnpackRows = 4;
 template <typename Source, typename Destination>
-__global__ void __launch_bounds__(kThreadsX* kThreadsY)
+__global__ void __launch_bounds__(kTileThreads)
     unpack_symmetric_kernel(const Source* packed_batch,
                             const __grid_constant__ PackedTriangle layout, Destination* dst_batch,
                             float shift, float* parts_batch) {
@@ -294,7 +366,8 @@ __global__ void __launch_bounds__(kThreadsX* kThreadsY)
   __shared__ PackedColumn columns[kTile];
   const int64_t n = layout.n;
   const int64_t row0 = tile_row * kTile, col0 = tile_col * kTile;
-  const int thread = threadIdx.y * kThreadsX + threadIdx.x;
+  constexpr int R = kUnpackRows;
+  const int thread = threadIdx.y * TileThreads<R>::kX + threadIdx.x;
   if (thread < kTile && col0 + thread < n) {
     const int64_t c = col0 + thread;
     const int j = layout.block_of(c);
@@ -303,41 +376,46 @@ __global__ void __launch_bounds__(kThreadsX* kThreadsY)
   }
   __syncthreads();
 
-  const int row_in_tile = 2 * threadIdx.x;
-  const int64_t r = row0 + row_in_tile;  // this thread's rows are r and r + 1, in one block
+  const int row_in_tile = R * threadIdx.x;
+  const int64_t r = row0 + row_in_tile;  // this thread's rows are r to r + R - 1, in one block
   PackedRow row{};
   if (r < n) {
     const int i = layout.block_of(r);
     row = {layout.starts[i], layout.starts[i + 1] - layout.starts[i], r - layout.starts[i]};
   }
-  StoredPairs<Source> pairs;
-  load_lower_pairs(
-      packed, r, col0, n, [&](int y) { return row.index(columns[y]); }, pairs);
+  RunType<Source, R> runs[kColumnsPerThread<R>];
+  load_lower_runs<Source, R>(
+      packed, r, col0, n, [&](int y) { return row.index(columns[y]); }, runs);
 #pragma unroll
-  for (int k = 0; k < kColumnsPerThread; ++k) {
-    const int y = threadIdx.y + k * kThreadsY;
+  for (int k = 0; k < kColumnsPerThread<R>; ++k) {
+    const int y = threadIdx.y + k * TileThreads<R>::kY;
     const int64_t c = col0 + y;
-    if (!pair_on_or_below_diagonal(r, c, n)) continue;
+    if (!run_on_or_below_diagonal<R>(r, c, n)) continue;
     // Held as stored: shifted on the diagonal, rounded to the destination's dtype.
-    const float2 pair = Pair<Source>::widen(pairs[k]);
-    if (r >= c) {
-      tile[y][row_in_tile] = to_float(from_float<Destination>(pair.x + (r == c ? shift : 0.0f)));
+    float values[R];
+    Run<Source, R>::widen(runs[k], values);
+#pragma unroll
+    for (int j = 0; j < R; ++j) {
+      if (r + j < c) continue;
+      const float value = values[j] + (r + j == c ? shift : 0.0f);
+      tile[y][row_in_tile + j] = to_float(from_float<Destination>(value));
     }
-    tile[y][row_in_tile + 1] =
-        to_float(from_float<Destination>(pair.y + (r + 1 == c ? shift : 0.0f)));
   }
   __syncthreads();
 
-  // Tile (I, J) in place: column c, rows r and r + 1; above the diagonal (diagonal tiles
+  // Tile (I, J) in place: column c, rows r to r + R - 1; above the diagonal (diagonal tiles
   // only, where row0 == col0) the mirror entry tile[row][column].
-  for (int y = threadIdx.y; y < kTile; y += kThreadsY) {
+  for (int y = threadIdx.y; y < kTile; y += TileThreads<R>::kY) {
     const int64_t c = col0 + y;
     if (r >= n || c >= n) continue;
-    const float first = r >= c ? tile[y][row_in_tile] : tile[row_in_tile][y];
-    const float second = r + 1 >= c ? tile[y][row_in_tile + 1] : tile[row_in_tile + 1][y];
-    store_pair(dst, c * n + r, first, second);
+    float values[R];
+#pragma unroll
+    for (int j = 0; j < R; ++j) {
+      values[j] = r + j >= c ? tile[y][row_in_tile + j] : tile[row_in_tile + j][y];
+    }
+    store_run<Destination, R>(dst, c * n + r, values);
   }
-  if (tile_row != tile_col) store_mirror_tile(tile, tile_row, tile_col, n, dst);
+  if (tile_row != tile_col) store_mirror_tile<R>(tile, tile_row, tile_col, n, dst);
   // The squares last, while the stores drain.
   if (parts_batch != nullptr) {
     __shared__ float scratch[8][kTile];
@@ -354,7 +432,7 @@ __global__ void __launch_bounds__(kThreadsX* kThreadsY)
 // kStoreUpper (a product that wrote both triangles) nothing above the diagonal is written,
 // and a tile is read only for the squares.
 template <typename T, bool kStoreUpper>
-__global__ void __launch_bounds__(kThreadsX* kThreadsY)
+__global__ void __launch_bounds__(kTileThreads)
     mirror_lower_kernel(T* matrix_batch, int64_t n, const float* squares_batch, float square_scale,
                         float scale, const T* addend_batch, float shift, float* parts_batch) {
   T* matrix = matrix_batch + blockIdx.y * n * n;
@@ -364,20 +442,23 @@ __global__ void __launch_bounds__(kThreadsX* kThreadsY)
 
   __shared__ float tile[kTile][kTile + 1];  // [column][row] of the lower tile (I, J)
   const int64_t row0 = tile_row * kTile, col0 = tile_col * kTile;
-  const int row_in_tile = 2 * threadIdx.x;
+  static_assert(kMirrorRows == 2, "mirror_lower_kernel takes pairs of rows");
+  const int row_in_tile = kMirrorRows * threadIdx.x;
   const int64_t r = row0 + row_in_tile;  // this thread's rows are r and r + 1 (n is even)
-  for (int y = threadIdx.y; y < kTile && (kStoreUpper || parts_batch != nullptr); y += kThreadsY) {
+  constexpr int kY = TileThreads<kMirrorRows>::kY;
+  for (int y = threadIdx.y; y < kTile && (kStoreUpper || parts_batch != nullptr); y += kY) {
     const int64_t c = col0 + y;
     if (r >= n || c >= n || r + 1 < c) continue;  // outside, or above the diagonal
-    const float2 pair = load_pair(matrix, c * n + r);
-    tile[y][row_in_tile] = pair.x;  // above the diagonal where r + 1 == c: never read
-    tile[y][row_in_tile + 1] = pair.y;
+    float pair[kMirrorRows];
+    Run<T, kMirrorRows>::widen(load_run<T, kMirrorRows>(matrix, c * n + r), pair);
+    tile[y][row_in_tile] = pair[0];  // above the diagonal where r + 1 == c: never read
+    tile[y][row_in_tile + 1] = pair[1];
   }
   // A diagonal tile whose diagonal is set: the addend's column squares (when there are some),
   // each from its parts, a quarter of them per thread (loads issued beside the tile's), the
   // quarters then added.
   __shared__ float scratch[8][kTile];
-  const int thread = threadIdx.y * kThreadsX + threadIdx.x;
+  const int thread = threadIdx.y * TileThreads<kMirrorRows>::kX + threadIdx.x;
   const bool sets_diagonal = tile_row == tile_col && addend_batch != nullptr;
   if (sets_diagonal && squares_batch != nullptr) {
     const int lane = thread % kTile, quarter = thread / kTile;
@@ -407,14 +488,14 @@ __global__ void __launch_bounds__(kThreadsX* kThreadsY)
 
   if constexpr (kStoreUpper) {
     if (tile_row == tile_col) {  // the upper triangle of this tile: column c, rows r < c
-      for (int y = threadIdx.y; y < kTile; y += kThreadsY) {
+      for (int y = threadIdx.y; y < kTile; y += kY) {
         const int64_t c = col0 + y;
         if (r >= n || c >= n) continue;
         if (r < c) matrix[c * n + r] = from_float<T>(tile[row_in_tile][y]);
         if (r + 1 < c) matrix[c * n + r + 1] = from_float<T>(tile[row_in_tile + 1][y]);
       }
     } else {
-      store_mirror_tile(tile, tile_row, tile_col, n, matrix);
+      store_mirror_tile<kMirrorRows>(tile, tile_row, tile_col, n, matrix);
     }
   }
   // The squares last, while the stores drain.
@@ -428,8 +509,9 @@ PackedTriangle packed_triangle_of(const SymmetricTiles& tiles) {
     fail(SHARDMUON_ERROR_INTERNAL, "the symmetric passes take at most ", PackedTriangle::kMaxBlocks,
          " blocks, not ", tiles.blocks());
   }
-  if (tiles.n % 2 != 0) {
-    fail(SHARDMUON_ERROR_INTERNAL, "the symmetric passes take an even side, not ", tiles.n);
+  if (tiles.n % kUnpackRows != 0) {
+    fail(SHARDMUON_ERROR_INTERNAL, "unpack_symmetric_cuda takes a side that is a multiple of ",
+         kUnpackRows, ", not ", tiles.n);
   }
   PackedTriangle layout{};
   layout.n = tiles.n;
@@ -586,7 +668,14 @@ template <typename Source>
 void launch_unpack_symmetric(const Source* packed, const PackedTriangle& layout, dim3 grid,
                              void* dst, shardmuon_dtype dst_type, float shift, float* parts,
                              cudaStream_t stream) {
-  const dim3 block(kThreadsX, kThreadsY);
+  constexpr int R = kUnpackRows;
+  const dim3 block(TileThreads<R>::kX, TileThreads<R>::kY);
+  const size_t dst_element = dst_type == SHARDMUON_FLOAT32 ? sizeof(float) : sizeof(__nv_bfloat16);
+  if (reinterpret_cast<uintptr_t>(packed) % (R * sizeof(Source)) != 0 ||
+      reinterpret_cast<uintptr_t>(dst) % (R * dst_element) != 0) {
+    fail(SHARDMUON_ERROR_INTERNAL, "unpack_symmetric_cuda takes buffers aligned to ", R,
+         " entries");
+  }
   if (dst_type == SHARDMUON_FLOAT32) {
     launch_kernel("unpack_symmetric_kernel", unpack_symmetric_kernel<Source, float>, grid, block,
                   stream, packed, layout, static_cast<float*>(dst), shift, parts);
@@ -631,7 +720,7 @@ void mirror_lower_cuda(void* matrix, shardmuon_dtype dtype, int64_t n, int64_t b
   // work: they come first in the grid (lower_tile_of).
   if (upper_computed && square_parts == nullptr)
     grid.x = static_cast<unsigned int>(tiles_per_side(n));
-  const dim3 block(kThreadsX, kThreadsY);
+  const dim3 block(TileThreads<kMirrorRows>::kX, TileThreads<kMirrorRows>::kY);
   const float* squares = static_cast<const float*>(diagonal.squares);
   const float square_scale = static_cast<float>(diagonal.square_scale),
               scale = static_cast<float>(diagonal.scale),

@@ -13,6 +13,7 @@
 
 #include "core/backend.h"
 #include "core/dtype.h"
+#include "core/error.h"
 #include "core/symmetric_tiles.h"
 #include "cpu/cpu_backend.h"
 #include "cuda/cuda_backend.h"
@@ -244,6 +245,28 @@ TEST_P(SymmetricPasses, UnpackMatchesTheCpuBackendWithItsColumnSquares) {
           column_squares(*cuda_, to_host(device_parts, cuda_parts_bytes), n, kBatch));
     }
   }
+}
+
+// The unpacking moves runs of four rows: a side that is not a multiple of 4 (the library's are
+// multiples of 8) is refused before anything is written, not unpacked wrongly.
+TEST_P(SymmetricPasses, UnpackRefusesASideThatIsNotAMultipleOfFour) {
+  const int64_t n = 202;
+  const SymmetricTiles tiles = SymmetricTiles::split(n, 32);
+  const void* device_packed =
+      on_device(random_elements(SHARDMUON_FLOAT32, tiles.packed_elements(), 5));
+  const std::vector<char> before = random_elements(GetParam(), n * n, 7);
+  void* device_matrix = on_device(before);
+  try {
+    cuda_->unpack_symmetric(device_packed, SHARDMUON_FLOAT32, tiles, 1, device_matrix, GetParam(),
+                            0.0, nullptr, nullptr);
+    ADD_FAILURE() << "a side of 202 was unpacked";
+  } catch (const Failure& failure) {
+    EXPECT_EQ(failure.status(), SHARDMUON_ERROR_INTERNAL);
+    EXPECT_NE(std::string(failure.what()).find("multiple of 4, not 202"), std::string::npos)
+        << failure.what();
+  }
+  expect_same_matrices(before, to_host(device_matrix, before.size()), GetParam(), n * n,
+                       "the destination after the refused call");
 }
 
 // The split of one rank's products on CUDA: 32 equal blocks at multiples of 4096 (whole waves
