@@ -344,12 +344,12 @@ __device__ void store_mirror_tile(const float (*tile)[kTile + 1], int64_t tile_r
 }
 
 // unpack_symmetric in runs of four rows a thread (TileThreads<4>: 8-byte bf16 and 16-byte
-// float32 accesses). Against runs of two, 1.17-1.24x faster from float32 and from bf16 sources
-// and 1.10-1.12x to float32 at 8192^2 and 16384^2, on an H200, where the kernel is bound by
-// the instructions it issues, not by its bytes (docs/BENCHMARKS.md, thirtieth session). The
-// side is a multiple of 4 (the library's are multiples of 8), so the packed layout's block
-// starts (multiples of 32), widths and offsets keep every run at an index that is a multiple
-// of 4, and a run never straddles a block or the edge.
+// float32 accesses). Against f984a11's pairs of rows, 1.17-1.19x faster from float32 and
+// 1.23-1.25x from bf16 sources, 1.06-1.09x to float32, at 8192^2 and 16384^2 on an H200, where
+// the kernel is bound by the instructions it issues, not by its bytes (docs/BENCHMARKS.md,
+// thirtieth session). The side is a multiple of 4 (the library's are multiples of 8), so the
+// packed layout's block starts (multiples of 32), widths and offsets keep every run at an
+// index that is a multiple of 4, and a run never straddles a block or the edge.
 constexpr int kUnpackRows = 4;
 template <typename Source, typename Destination>
 __global__ void __launch_bounds__(kTileThreads)
