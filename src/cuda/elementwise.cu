@@ -260,9 +260,9 @@ __device__ void lower_tile_of(int64_t k, int64_t tiles, int64_t& tile_row, int64
 
 // The unpacking's loads: this thread's runs (rows r to r + R - 1, as stored) of the lower
 // 64 x 64 tile's columns col0 + y, y = threadIdx.y + k kY for k < kColumnsPerThread<R>, all
-// issued before any is used. Loaded, widened and stored into shared memory one after the
-// other, each widening waited for its load: one load in flight per warp. Loading all first took an
-// 8192^2 unpacking from 141 to 111 us (float32 source) and from 135 to 110 us (bf16), about
+// issued before any is used. Before f984a11 each was loaded, widened and stored into shared
+// memory before the next load was issued: one load in flight per warp. Loading all first took
+// an 8192^2 unpacking from 141 to 111 us (float32 source) and from 135 to 110 us (bf16), about
 // 1.25x (docs/BENCHMARKS.md, twenty-ninth session). The mirroring pass did not gain that way
 // (its registers went from 32 to 47, its blocks per SM from 8 to 5) and loads as before.
 // Runs outside the matrix or wholly above the diagonal are not loaded; a run that crosses
