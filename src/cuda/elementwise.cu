@@ -102,13 +102,13 @@ int64_t chunks_per_vector(int64_t count, int64_t batch) {
 
 // unpack_symmetric, one 64 x 64 tile pair per thread block: tile (I, J) of the lower triangle
 // (I >= J, in tiles; the grid holds only those) is read once from the packed tiles (float32,
-// or bfloat16 for a Gram summed in bfloat16), two rows per thread (one load of a pair down
-// its columns), and written to its own place and, transposed through shared memory, to tile
-// (J, I), two rows per thread again. On a diagonal tile the entries above the diagonal come
-// from their mirror images below it, so the result is exactly symmetric. The side n is even
-// (the products' sides are multiples of 8), so a row pair never straddles the edge, and every
-// pair starts at an even index of the packed layout (its block starts, widths and heights are
-// even) and of dst.
+// or bfloat16 for a Gram summed in bfloat16), four rows per thread (one load of a run of four
+// down its columns), and written to its own place and, transposed through shared memory, to
+// tile (J, I), four rows per thread again. On a diagonal tile the entries above the diagonal
+// come from their mirror images below it, so the result is exactly symmetric. The side n is a
+// multiple of 4 (the products' sides are multiples of 8), so a run never straddles the edge,
+// and every run starts at a multiple of 4 in the packed layout (its block starts are multiples
+// of 32, its widths and heights of 4) and in dst.
 struct PackedTriangle {
   static constexpr int kMaxBlocks = 64;
   int64_t n;
@@ -149,23 +149,12 @@ __host__ __device__ inline int64_t tiles_per_side(int64_t n) {
 }
 constexpr int kTileThreads = 256;  // threads of a block over a 64 x 64 tile
 
-// R consecutive entries of a column (R = 2 or 4) as one access of 4, 8 or 16 bytes: Run<T,
+// R consecutive entries of a column (R = kRunRows = 4) as one access of 8 or 16 bytes: Run<T,
 // R>::type, stored, or widened to float32 (the passes compute in float32) and made from it,
 // rounded to nearest even. Its callers keep every run at an index that is a multiple of R, on
 // buffers aligned to R entries.
 template <typename T, int R>
 struct Run;
-template <>
-struct Run<float, 2> {
-  using type = float2;
-  __device__ static void widen(type run, float (&values)[2]) {
-    values[0] = run.x;
-    values[1] = run.y;
-  }
-  __device__ static type make(const float (&values)[2]) {
-    return make_float2(values[0], values[1]);
-  }
-};
 template <>
 struct Run<float, 4> {
   using type = float4;
@@ -177,18 +166,6 @@ struct Run<float, 4> {
   }
   __device__ static type make(const float (&values)[4]) {
     return make_float4(values[0], values[1], values[2], values[3]);
-  }
-};
-template <>
-struct Run<__nv_bfloat16, 2> {
-  using type = __nv_bfloat162;
-  __device__ static void widen(type run, float (&values)[2]) {
-    const float2 pair = __bfloat1622float2(run);
-    values[0] = pair.x;
-    values[1] = pair.y;
-  }
-  __device__ static type make(const float (&values)[2]) {
-    return __floats2bfloat162_rn(values[0], values[1]);
   }
 };
 template <>
@@ -231,8 +208,8 @@ __device__ __forceinline__ void store_run(T* x, int64_t index, const float (&val
 }
 
 // A block's threads over a 64 x 64 tile in runs of R rows: R rows each down a column, kX of
-// them to a tile column, kY columns at a time, kColumnsPerThread<R> columns in all. The
-// mirroring pass takes runs of 2 (kMirrorRows), the unpacking runs of 4 (kUnpackRows).
+// them to a tile column, kY columns at a time, kColumnsPerThread<R> columns in all. Both
+// passes take runs of kRunRows.
 template <int R>
 struct TileThreads {
   static constexpr int kX = kTile / R;
@@ -240,7 +217,7 @@ struct TileThreads {
 };
 template <int R>
 constexpr int kColumnsPerThread = kTile / TileThreads<R>::kY;
-constexpr int kMirrorRows = 2;
+constexpr int kRunRows = 4;
 
 // The lower 64 x 64 tile (I, J), I >= J, of block k of the grid: the diagonal tiles first
 // (k = I), then the others (k = tiles + I (I - 1) / 2 + J, J < I). A diagonal tile does the
@@ -263,8 +240,10 @@ __device__ void lower_tile_of(int64_t k, int64_t tiles, int64_t& tile_row, int64
 // issued before any is used. Before f984a11 each was loaded, widened and stored into shared
 // memory before the next load was issued: one load in flight per warp. Loading all first took
 // an 8192^2 unpacking from 141 to 111 us (float32 source) and from 135 to 110 us (bf16), about
-// 1.25x (docs/BENCHMARKS.md, twenty-ninth session). The mirroring pass did not gain that way
-// (its registers went from 32 to 47, its blocks per SM from 8 to 5) and loads as before.
+// 1.25x (docs/BENCHMARKS.md, twenty-ninth session). The mirroring pass did not gain that way,
+// in pairs of rows (its registers went from 32 to 47, its blocks per SM from 8 to 5) or in
+// runs of four (the same times within 1%, 48 registers for float32; thirty-first session), and
+// loads one run at a time.
 // Runs outside the matrix or wholly above the diagonal are not loaded; a run that crosses
 // the diagonal is loaded whole: its entries above the diagonal of a diagonal tile, which the
 // packed layout holds too (its blocks' starts are multiples of 32), are never used.
@@ -343,14 +322,13 @@ __device__ void store_mirror_tile(const float (*tile)[kTile + 1], int64_t tile_r
   }
 }
 
-// unpack_symmetric in runs of four rows a thread (TileThreads<4>: 8-byte bf16 and 16-byte
-// float32 accesses). Against f984a11's pairs of rows, 1.17-1.19x faster from float32 and
+// unpack_symmetric in runs of four rows a thread (TileThreads<kRunRows>: 8-byte bf16 and
+// 16-byte float32 accesses). Against f984a11's pairs of rows, 1.17-1.19x faster from float32 and
 // 1.23-1.25x from bf16 sources, 1.06-1.09x to float32, at 8192^2 and 16384^2 on an H200, where
 // the kernel is bound by the instructions it issues, not by its bytes (docs/BENCHMARKS.md,
 // thirtieth session). The side is a multiple of 4 (the library's are multiples of 8), so the
 // packed layout's block starts (multiples of 32), widths and offsets keep every run at an
 // index that is a multiple of 4, and a run never straddles a block or the edge.
-constexpr int kUnpackRows = 4;
 template <typename Source, typename Destination>
 __global__ void __launch_bounds__(kTileThreads)
     unpack_symmetric_kernel(const Source* packed_batch,
@@ -366,7 +344,7 @@ __global__ void __launch_bounds__(kTileThreads)
   __shared__ PackedColumn columns[kTile];
   const int64_t n = layout.n;
   const int64_t row0 = tile_row * kTile, col0 = tile_col * kTile;
-  constexpr int R = kUnpackRows;
+  constexpr int R = kRunRows;
   const int thread = threadIdx.y * TileThreads<R>::kX + threadIdx.x;
   if (thread < kTile && col0 + thread < n) {
     const int64_t c = col0 + thread;
@@ -428,9 +406,10 @@ __global__ void __launch_bounds__(kTileThreads)
 // tile (I, J) is read into shared memory, then written transposed to tile (J, I), or, on a
 // diagonal tile, to its own upper triangle, whose diagonal is set first when there is an
 // addend (and its column squares, their parts added in a fixed order, when there are some,
-// else none). Without
-// kStoreUpper (a product that wrote both triangles) nothing above the diagonal is written,
-// and a tile is read only for the squares.
+// else none). Without kStoreUpper (a product that wrote both triangles) nothing above the
+// diagonal is written, and a tile is read only for the squares. In runs of four rows a thread,
+// as the unpacking: against a52e10d's pairs, 1.17-1.20x faster at 8192^2 and 16384^2 bf16 on
+// an H200 (docs/BENCHMARKS.md, thirty-first session).
 template <typename T, bool kStoreUpper>
 __global__ void __launch_bounds__(kTileThreads)
     mirror_lower_kernel(T* matrix_batch, int64_t n, const float* squares_batch, float square_scale,
@@ -442,23 +421,23 @@ __global__ void __launch_bounds__(kTileThreads)
 
   __shared__ float tile[kTile][kTile + 1];  // [column][row] of the lower tile (I, J)
   const int64_t row0 = tile_row * kTile, col0 = tile_col * kTile;
-  static_assert(kMirrorRows == 2, "mirror_lower_kernel takes pairs of rows");
-  const int row_in_tile = kMirrorRows * threadIdx.x;
-  const int64_t r = row0 + row_in_tile;  // this thread's rows are r and r + 1 (n is even)
-  constexpr int kY = TileThreads<kMirrorRows>::kY;
+  constexpr int R = kRunRows;
+  const int row_in_tile = R * threadIdx.x;
+  const int64_t r = row0 + row_in_tile;  // this thread's rows are r to r + R - 1 (n % R == 0)
+  constexpr int kY = TileThreads<R>::kY;
   for (int y = threadIdx.y; y < kTile && (kStoreUpper || parts_batch != nullptr); y += kY) {
     const int64_t c = col0 + y;
-    if (r >= n || c >= n || r + 1 < c) continue;  // outside, or above the diagonal
-    float pair[kMirrorRows];
-    Run<T, kMirrorRows>::widen(load_run<T, kMirrorRows>(matrix, c * n + r), pair);
-    tile[y][row_in_tile] = pair[0];  // above the diagonal where r + 1 == c: never read
-    tile[y][row_in_tile + 1] = pair[1];
+    if (!run_on_or_below_diagonal<R>(r, c, n)) continue;
+    float values[R];
+    Run<T, R>::widen(load_run<T, R>(matrix, c * n + r), values);
+#pragma unroll
+    for (int j = 0; j < R; ++j) tile[y][row_in_tile + j] = values[j];  // above the diagonal: unread
   }
   // A diagonal tile whose diagonal is set: the addend's column squares (when there are some),
   // each from its parts, a quarter of them per thread (loads issued beside the tile's), the
   // quarters then added.
   __shared__ float scratch[8][kTile];
-  const int thread = threadIdx.y * TileThreads<kMirrorRows>::kX + threadIdx.x;
+  const int thread = threadIdx.y * TileThreads<R>::kX + threadIdx.x;
   const bool sets_diagonal = tile_row == tile_col && addend_batch != nullptr;
   if (sets_diagonal && squares_batch != nullptr) {
     const int lane = thread % kTile, quarter = thread / kTile;
@@ -487,15 +466,22 @@ __global__ void __launch_bounds__(kTileThreads)
   }
 
   if constexpr (kStoreUpper) {
-    if (tile_row == tile_col) {  // the upper triangle of this tile: column c, rows r < c
+    if (tile_row == tile_col) {
+      // The upper triangle of this tile: column c, the runs holding a row r + j < c, each
+      // stored whole, its entries on and below the diagonal as they were read or set (the
+      // same values again, from this block only).
       for (int y = threadIdx.y; y < kTile; y += kY) {
         const int64_t c = col0 + y;
-        if (r >= n || c >= n) continue;
-        if (r < c) matrix[c * n + r] = from_float<T>(tile[row_in_tile][y]);
-        if (r + 1 < c) matrix[c * n + r + 1] = from_float<T>(tile[row_in_tile + 1][y]);
+        if (r >= n || c >= n || r >= c) continue;
+        float values[R];
+#pragma unroll
+        for (int j = 0; j < R; ++j) {
+          values[j] = r + j >= c ? tile[y][row_in_tile + j] : tile[row_in_tile + j][y];
+        }
+        store_run<T, R>(matrix, c * n + r, values);
       }
     } else {
-      store_mirror_tile<kMirrorRows>(tile, tile_row, tile_col, n, matrix);
+      store_mirror_tile<R>(tile, tile_row, tile_col, n, matrix);
     }
   }
   // The squares last, while the stores drain.
@@ -509,9 +495,9 @@ PackedTriangle packed_triangle_of(const SymmetricTiles& tiles) {
     fail(SHARDMUON_ERROR_INTERNAL, "the symmetric passes take at most ", PackedTriangle::kMaxBlocks,
          " blocks, not ", tiles.blocks());
   }
-  if (tiles.n % kUnpackRows != 0) {
+  if (tiles.n % kRunRows != 0) {
     fail(SHARDMUON_ERROR_INTERNAL, "unpack_symmetric_cuda takes a side that is a multiple of ",
-         kUnpackRows, ", not ", tiles.n);
+         kRunRows, ", not ", tiles.n);
   }
   PackedTriangle layout{};
   layout.n = tiles.n;
@@ -668,7 +654,7 @@ template <typename Source>
 void launch_unpack_symmetric(const Source* packed, const PackedTriangle& layout, dim3 grid,
                              void* dst, shardmuon_dtype dst_type, float shift, float* parts,
                              cudaStream_t stream) {
-  constexpr int R = kUnpackRows;
+  constexpr int R = kRunRows;
   const dim3 block(TileThreads<R>::kX, TileThreads<R>::kY);
   const size_t dst_element = dst_type == SHARDMUON_FLOAT32 ? sizeof(float) : sizeof(__nv_bfloat16);
   if (reinterpret_cast<uintptr_t>(packed) % (R * sizeof(Source)) != 0 ||
@@ -714,13 +700,21 @@ void mirror_lower_cuda(void* matrix, shardmuon_dtype dtype, int64_t n, int64_t b
                        cudaStream_t stream) {
   if (n == 0 || batch == 0) return;
   if (upper_computed && diagonal.addend == nullptr && square_parts == nullptr) return;
-  if (n % 2 != 0) fail(SHARDMUON_ERROR_INTERNAL, "mirror_lower_cuda takes an even side, not ", n);
+  constexpr int R = kRunRows;
+  if (n % R != 0) {
+    fail(SHARDMUON_ERROR_INTERNAL, "mirror_lower_cuda takes a side that is a multiple of ", R,
+         ", not ", n);
+  }
+  const size_t element = dtype == SHARDMUON_FLOAT32 ? sizeof(float) : sizeof(__nv_bfloat16);
+  if (reinterpret_cast<uintptr_t>(matrix) % (R * element) != 0) {
+    fail(SHARDMUON_ERROR_INTERNAL, "mirror_lower_cuda takes a matrix aligned to ", R, " entries");
+  }
   dim3 grid = lower_tile_grid(n, batch);
   // With nothing to store above the diagonal and no squares, only the diagonal tiles have
   // work: they come first in the grid (lower_tile_of).
   if (upper_computed && square_parts == nullptr)
     grid.x = static_cast<unsigned int>(tiles_per_side(n));
-  const dim3 block(TileThreads<kMirrorRows>::kX, TileThreads<kMirrorRows>::kY);
+  const dim3 block(TileThreads<R>::kX, TileThreads<R>::kY);
   const float* squares = static_cast<const float*>(diagonal.squares);
   const float square_scale = static_cast<float>(diagonal.square_scale),
               scale = static_cast<float>(diagonal.scale),

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <memory>
 #include <random>
 #include <string>
@@ -247,26 +248,36 @@ TEST_P(SymmetricPasses, UnpackMatchesTheCpuBackendWithItsColumnSquares) {
   }
 }
 
-// The unpacking moves runs of four rows: a side that is not a multiple of 4 (the library's are
-// multiples of 8) is refused before anything is written, not unpacked wrongly.
-TEST_P(SymmetricPasses, UnpackRefusesASideThatIsNotAMultipleOfFour) {
+// Both passes move runs of four rows: a side that is not a multiple of 4 (the library's are
+// multiples of 8) is refused before anything is written, not unpacked or mirrored wrongly.
+TEST_P(SymmetricPasses, PassesRefuseASideThatIsNotAMultipleOfFour) {
   const int64_t n = 202;
   const SymmetricTiles tiles = SymmetricTiles::split(n, 32);
   const void* device_packed =
       on_device(random_elements(SHARDMUON_FLOAT32, tiles.packed_elements(), 5));
   const std::vector<char> before = random_elements(GetParam(), n * n, 7);
   void* device_matrix = on_device(before);
-  try {
+  auto expect_refused = [&](const char* pass, const std::function<void()>& call) {
+    SCOPED_TRACE(pass);
+    try {
+      call();
+      ADD_FAILURE() << "a side of 202 was taken";
+    } catch (const Failure& failure) {
+      EXPECT_EQ(failure.status(), SHARDMUON_ERROR_INTERNAL);
+      EXPECT_NE(std::string(failure.what()).find("multiple of 4, not 202"), std::string::npos)
+          << failure.what();
+    }
+    expect_same_matrices(before, to_host(device_matrix, before.size()), GetParam(), n * n,
+                         "the matrix after the refused call");
+  };
+  expect_refused("unpack_symmetric", [&] {
     cuda_->unpack_symmetric(device_packed, SHARDMUON_FLOAT32, tiles, 1, device_matrix, GetParam(),
                             0.0, nullptr, nullptr);
-    ADD_FAILURE() << "a side of 202 was unpacked";
-  } catch (const Failure& failure) {
-    EXPECT_EQ(failure.status(), SHARDMUON_ERROR_INTERNAL);
-    EXPECT_NE(std::string(failure.what()).find("multiple of 4, not 202"), std::string::npos)
-        << failure.what();
-  }
-  expect_same_matrices(before, to_host(device_matrix, before.size()), GetParam(), n * n,
-                       "the destination after the refused call");
+  });
+  expect_refused("mirror_lower", [&] {
+    cuda_->mirror_lower(device_matrix, GetParam(), n, 1, SymmetricDiagonal{}, nullptr, false,
+                        nullptr);
+  });
 }
 
 // The split of one rank's products on CUDA: 32 equal blocks at multiples of 4096 (whole waves
