@@ -50,8 +50,12 @@ results=()
 exec 3>&1
 trap '{ echo "== cut off (SIGTERM); results so far:"; printf "%s\n" "${results[@]}"; } >&3 2>&1
   kill $(jobs -p) 2>/dev/null; exit 124' TERM
+# A command still running 15 s after its time limit's SIGTERM is killed (`timeout -k`):
+# compute-sanitizer's initcheck, deep in millions of reports, outlived a plain `timeout 200`
+# until the machine's limit cut the whole call off (thirty-first session).
+kill_after=15
 bounded() {  # seconds, command...: `timeout seconds command...`, its status
-  timeout "$@" &
+  timeout -k $kill_after "$@" &
   wait $!
 }
 # The front end's CPU tests that Debian's PyTorch 1.13 cannot run (DTensor, on gloo processes),
@@ -171,7 +175,7 @@ sanitized_shards() {  # count, time limit, name, description, command...
   local count=$1 limit=$2 name=$3 description=$4 i failed=0
   shift 4
   for ((i = 0; i < count; i++)); do
-    GTEST_TOTAL_SHARDS=$count GTEST_SHARD_INDEX=$i timeout "$limit" "$@" \
+    GTEST_TOTAL_SHARDS=$count GTEST_SHARD_INDEX=$i timeout -k $kill_after "$limit" "$@" \
       >"$out/sanitize_${name}_$i.log" 2>&1 &
   done
   for ((i = 0; i < count; i++)); do wait -n || failed=$((failed + 1)); done
