@@ -5,6 +5,7 @@
 #include <cub/block/block_reduce.cuh>
 #include <type_traits>
 
+#include "core/dtype.h"
 #include "core/error.h"
 #include "cuda/cuda_check.h"
 #include "cuda/elementwise.cuh"
@@ -149,29 +150,30 @@ __host__ __device__ inline int64_t tiles_per_side(int64_t n) {
 }
 constexpr int kTileThreads = 256;  // threads of a block over a 64 x 64 tile
 
-// R consecutive entries of a column (R = kRunRows = 4) as one access of 8 or 16 bytes: Run<T,
-// R>::type, stored, or widened to float32 (the passes compute in float32) and made from it,
-// rounded to nearest even. Its callers keep every run at an index that is a multiple of R, on
-// buffers aligned to R entries.
-template <typename T, int R>
+// Both symmetric passes move runs of kRunRows consecutive entries of a column a thread, one
+// access of 8 (bf16) or 16 (float32) bytes: Run<T>::type, stored, or widened to float32 (the
+// passes compute in float32) and made from it, rounded to nearest even. Their callers keep
+// every run at an index that is a multiple of kRunRows, on buffers aligned to kRunRows entries.
+constexpr int kRunRows = 4;
+template <typename T>
 struct Run;
 template <>
-struct Run<float, 4> {
+struct Run<float> {
   using type = float4;
-  __device__ static void widen(type run, float (&values)[4]) {
+  __device__ static void widen(type run, float (&values)[kRunRows]) {
     values[0] = run.x;
     values[1] = run.y;
     values[2] = run.z;
     values[3] = run.w;
   }
-  __device__ static type make(const float (&values)[4]) {
+  __device__ static type make(const float (&values)[kRunRows]) {
     return make_float4(values[0], values[1], values[2], values[3]);
   }
 };
 template <>
-struct Run<__nv_bfloat16, 4> {
+struct Run<__nv_bfloat16> {
   using type = uint2;  // two bf16 pairs, rows r, r + 1 in .x and r + 2, r + 3 in .y
-  __device__ static void widen(type run, float (&values)[4]) {
+  __device__ static void widen(type run, float (&values)[kRunRows]) {
     const float2 low = __bfloat1622float2(bit_cast<__nv_bfloat162>(run.x));
     const float2 high = __bfloat1622float2(bit_cast<__nv_bfloat162>(run.y));
     values[0] = low.x;
@@ -179,7 +181,7 @@ struct Run<__nv_bfloat16, 4> {
     values[2] = high.x;
     values[3] = high.y;
   }
-  __device__ static type make(const float (&values)[4]) {
+  __device__ static type make(const float (&values)[kRunRows]) {
     return make_uint2(bit_cast<unsigned int>(__floats2bfloat162_rn(values[0], values[1])),
                       bit_cast<unsigned int>(__floats2bfloat162_rn(values[2], values[3])));
   }
@@ -193,31 +195,27 @@ struct Run<__nv_bfloat16, 4> {
     return to;
   }
 };
-template <typename T, int R>
-using RunType = typename Run<T, R>::type;
-template <typename T, int R>
-__device__ __forceinline__ RunType<T, R> load_run(const T* x, int64_t index) {
-  return *reinterpret_cast<const RunType<T, R>*>(x + index);
+template <typename T>
+using RunType = typename Run<T>::type;
+template <typename T>
+__device__ __forceinline__ RunType<T> load_run(const T* x, int64_t index) {
+  return *reinterpret_cast<const RunType<T>*>(x + index);
 }
 // A plain assignment of a float2 or float4 run here came out of the compiler as 2 or 4
 // scalar stores (in the PTX of every instantiation with a float32 destination); __stwb (a
 // store with the default write-back policy) is one vector store.
-template <typename T, int R>
-__device__ __forceinline__ void store_run(T* x, int64_t index, const float (&values)[R]) {
-  __stwb(reinterpret_cast<RunType<T, R>*>(x + index), Run<T, R>::make(values));
+template <typename T>
+__device__ __forceinline__ void store_run(T* x, int64_t index, const float (&values)[kRunRows]) {
+  __stwb(reinterpret_cast<RunType<T>*>(x + index), Run<T>::make(values));
 }
 
-// A block's threads over a 64 x 64 tile in runs of R rows: R rows each down a column, kX of
-// them to a tile column, kY columns at a time, kColumnsPerThread<R> columns in all. Both
-// passes take runs of kRunRows.
-template <int R>
+// A block's threads over a 64 x 64 tile: kRunRows rows each down a column, kX of them to a
+// tile column, kY columns at a time, kColumnsPerThread columns in all.
 struct TileThreads {
-  static constexpr int kX = kTile / R;
+  static constexpr int kX = kTile / kRunRows;
   static constexpr int kY = kTileThreads / kX;
+  static constexpr int kColumnsPerThread = kTile / kY;
 };
-template <int R>
-constexpr int kColumnsPerThread = kTile / TileThreads<R>::kY;
-constexpr int kRunRows = 4;
 
 // The lower 64 x 64 tile (I, J), I >= J, of block k of the grid: the diagonal tiles first
 // (k = I), then the others (k = tiles + I (I - 1) / 2 + J, J < I). A diagonal tile does the
@@ -235,8 +233,8 @@ __device__ void lower_tile_of(int64_t k, int64_t tiles, int64_t& tile_row, int64
   tile_col = k - tile_row * (tile_row - 1) / 2;
 }
 
-// The unpacking's loads: this thread's runs (rows r to r + R - 1, as stored) of the lower
-// 64 x 64 tile's columns col0 + y, y = threadIdx.y + k kY for k < kColumnsPerThread<R>, all
+// The unpacking's loads: this thread's runs (rows r to r + kRunRows - 1, as stored) of the
+// lower 64 x 64 tile's columns col0 + y, y = threadIdx.y + k kY for k < kColumnsPerThread, all
 // issued before any is used. Before f984a11 each was loaded, widened and stored into shared
 // memory before the next load was issued: one load in flight per warp. Loading all first took
 // an 8192^2 unpacking from 141 to 111 us (float32 source) and from 135 to 110 us (bf16), about
@@ -247,20 +245,19 @@ __device__ void lower_tile_of(int64_t k, int64_t tiles, int64_t& tile_row, int64
 // Runs outside the matrix or wholly above the diagonal are not loaded; a run that crosses
 // the diagonal is loaded whole: its entries above the diagonal of a diagonal tile, which the
 // packed layout holds too (its blocks' starts are multiples of 32), are never used.
-// index_of(y) is the index of entry (r, col0 + y), a multiple of R.
-template <int R>
+// index_of(y) is the index of entry (r, col0 + y), a multiple of kRunRows.
 __device__ __forceinline__ bool run_on_or_below_diagonal(int64_t r, int64_t c, int64_t n) {
-  return r < n && c < n && r + (R - 1) >= c;
+  return r < n && c < n && r + (kRunRows - 1) >= c;
 }
-template <typename T, int R, typename IndexOf>
-__device__ __forceinline__ void load_lower_runs(const T* source, int64_t r, int64_t col0, int64_t n,
-                                                IndexOf index_of,
-                                                RunType<T, R> (&runs)[kColumnsPerThread<R>]) {
+template <typename T, typename IndexOf>
+__device__ __forceinline__ void load_lower_runs(
+    const T* source, int64_t r, int64_t col0, int64_t n, IndexOf index_of,
+    RunType<T> (&runs)[TileThreads::kColumnsPerThread]) {
 #pragma unroll
-  for (int k = 0; k < kColumnsPerThread<R>; ++k) {
-    const int y = threadIdx.y + k * TileThreads<R>::kY;
-    runs[k] = RunType<T, R>{};
-    if (run_on_or_below_diagonal<R>(r, col0 + y, n)) runs[k] = load_run<T, R>(source, index_of(y));
+  for (int k = 0; k < TileThreads::kColumnsPerThread; ++k) {
+    const int y = threadIdx.y + k * TileThreads::kY;
+    runs[k] = RunType<T>{};
+    if (run_on_or_below_diagonal(r, col0 + y, n)) runs[k] = load_run(source, index_of(y));
   }
 }
 
@@ -304,26 +301,26 @@ __device__ void write_square_parts(const float (*tile)[kTile + 1], float (*scrat
 }
 
 // The mirror of an off-diagonal lower tile (I, J), held in shared memory as tile[column][row]:
-// tile (J, I). With row0 = 64 I and col0 = 64 J, its column row0 + y, rows col0 + R x to
-// col0 + R x + R - 1, holds the lower entries (row0 + y, col0 + R x + j). Each thread stores
-// runs of R, as the threads of TileThreads<R> load them.
-template <int R, typename T>
+// tile (J, I). With row0 = 64 I, col0 = 64 J and R = kRunRows, its column row0 + y, rows
+// col0 + R x to col0 + R x + R - 1, holds the lower entries (row0 + y, col0 + R x + j). Each
+// thread stores runs, as the threads of TileThreads load them.
+template <typename T>
 __device__ void store_mirror_tile(const float (*tile)[kTile + 1], int64_t tile_row,
                                   int64_t tile_col, int64_t n, T* matrix) {
-  const int row_in_tile = R * threadIdx.x;
+  const int row_in_tile = kRunRows * threadIdx.x;
   const int64_t upper_row = tile_col * kTile + row_in_tile;
-  for (int y = threadIdx.y; y < kTile; y += TileThreads<R>::kY) {
+  for (int y = threadIdx.y; y < kTile; y += TileThreads::kY) {
     const int64_t upper_col = tile_row * kTile + y;
     if (upper_row >= n || upper_col >= n) continue;
-    float values[R];
+    float values[kRunRows];
 #pragma unroll
-    for (int j = 0; j < R; ++j) values[j] = tile[row_in_tile + j][y];
-    store_run<T, R>(matrix, upper_col * n + upper_row, values);
+    for (int j = 0; j < kRunRows; ++j) values[j] = tile[row_in_tile + j][y];
+    store_run(matrix, upper_col * n + upper_row, values);
   }
 }
 
-// unpack_symmetric in runs of four rows a thread (TileThreads<kRunRows>: 8-byte bf16 and
-// 16-byte float32 accesses). Against f984a11's pairs of rows, 1.17-1.19x faster from float32 and
+// unpack_symmetric in runs of four rows a thread (TileThreads: 8-byte bf16 and 16-byte
+// float32 accesses). Against f984a11's pairs of rows, 1.17-1.19x faster from float32 and
 // 1.23-1.25x from bf16 sources, 1.06-1.09x to float32, at 8192^2 and 16384^2 on an H200, where
 // the kernel is bound by the instructions it issues, not by its bytes (docs/BENCHMARKS.md,
 // thirtieth session). The side is a multiple of 4 (the library's are multiples of 8), so the
@@ -345,7 +342,7 @@ __global__ void __launch_bounds__(kTileThreads)
   const int64_t n = layout.n;
   const int64_t row0 = tile_row * kTile, col0 = tile_col * kTile;
   constexpr int R = kRunRows;
-  const int thread = threadIdx.y * TileThreads<R>::kX + threadIdx.x;
+  const int thread = threadIdx.y * TileThreads::kX + threadIdx.x;
   if (thread < kTile && col0 + thread < n) {
     const int64_t c = col0 + thread;
     const int j = layout.block_of(c);
@@ -361,17 +358,17 @@ __global__ void __launch_bounds__(kTileThreads)
     const int i = layout.block_of(r);
     row = {layout.starts[i], layout.starts[i + 1] - layout.starts[i], r - layout.starts[i]};
   }
-  RunType<Source, R> runs[kColumnsPerThread<R>];
-  load_lower_runs<Source, R>(
+  RunType<Source> runs[TileThreads::kColumnsPerThread];
+  load_lower_runs(
       packed, r, col0, n, [&](int y) { return row.index(columns[y]); }, runs);
 #pragma unroll
-  for (int k = 0; k < kColumnsPerThread<R>; ++k) {
-    const int y = threadIdx.y + k * TileThreads<R>::kY;
+  for (int k = 0; k < TileThreads::kColumnsPerThread; ++k) {
+    const int y = threadIdx.y + k * TileThreads::kY;
     const int64_t c = col0 + y;
-    if (!run_on_or_below_diagonal<R>(r, c, n)) continue;
+    if (!run_on_or_below_diagonal(r, c, n)) continue;
     // Held as stored: shifted on the diagonal, rounded to the destination's dtype.
     float values[R];
-    Run<Source, R>::widen(runs[k], values);
+    Run<Source>::widen(runs[k], values);
 #pragma unroll
     for (int j = 0; j < R; ++j) {
       if (r + j < c) continue;
@@ -383,7 +380,7 @@ __global__ void __launch_bounds__(kTileThreads)
 
   // Tile (I, J) in place: column c, rows r to r + R - 1; above the diagonal (diagonal tiles
   // only, where row0 == col0) the mirror entry tile[row][column].
-  for (int y = threadIdx.y; y < kTile; y += TileThreads<R>::kY) {
+  for (int y = threadIdx.y; y < kTile; y += TileThreads::kY) {
     const int64_t c = col0 + y;
     if (r >= n || c >= n) continue;
     float values[R];
@@ -391,9 +388,9 @@ __global__ void __launch_bounds__(kTileThreads)
     for (int j = 0; j < R; ++j) {
       values[j] = r + j >= c ? tile[y][row_in_tile + j] : tile[row_in_tile + j][y];
     }
-    store_run<Destination, R>(dst, c * n + r, values);
+    store_run(dst, c * n + r, values);
   }
-  if (tile_row != tile_col) store_mirror_tile<R>(tile, tile_row, tile_col, n, dst);
+  if (tile_row != tile_col) store_mirror_tile(tile, tile_row, tile_col, n, dst);
   // The squares last, while the stores drain.
   if (parts_batch != nullptr) {
     __shared__ float scratch[8][kTile];
@@ -424,12 +421,12 @@ __global__ void __launch_bounds__(kTileThreads)
   constexpr int R = kRunRows;
   const int row_in_tile = R * threadIdx.x;
   const int64_t r = row0 + row_in_tile;  // this thread's rows are r to r + R - 1 (n % R == 0)
-  constexpr int kY = TileThreads<R>::kY;
+  constexpr int kY = TileThreads::kY;
   for (int y = threadIdx.y; y < kTile && (kStoreUpper || parts_batch != nullptr); y += kY) {
     const int64_t c = col0 + y;
-    if (!run_on_or_below_diagonal<R>(r, c, n)) continue;
+    if (!run_on_or_below_diagonal(r, c, n)) continue;
     float values[R];
-    Run<T, R>::widen(load_run<T, R>(matrix, c * n + r), values);
+    Run<T>::widen(load_run(matrix, c * n + r), values);
 #pragma unroll
     for (int j = 0; j < R; ++j) tile[y][row_in_tile + j] = values[j];  // above the diagonal: unread
   }
@@ -437,7 +434,7 @@ __global__ void __launch_bounds__(kTileThreads)
   // each from its parts, a quarter of them per thread (loads issued beside the tile's), the
   // quarters then added.
   __shared__ float scratch[8][kTile];
-  const int thread = threadIdx.y * TileThreads<R>::kX + threadIdx.x;
+  const int thread = threadIdx.y * TileThreads::kX + threadIdx.x;
   const bool sets_diagonal = tile_row == tile_col && addend_batch != nullptr;
   if (sets_diagonal && squares_batch != nullptr) {
     const int lane = thread % kTile, quarter = thread / kTile;
@@ -478,10 +475,10 @@ __global__ void __launch_bounds__(kTileThreads)
         for (int j = 0; j < R; ++j) {
           values[j] = r + j >= c ? tile[y][row_in_tile + j] : tile[row_in_tile + j][y];
         }
-        store_run<T, R>(matrix, c * n + r, values);
+        store_run(matrix, c * n + r, values);
       }
     } else {
-      store_mirror_tile<R>(tile, tile_row, tile_col, n, matrix);
+      store_mirror_tile(tile, tile_row, tile_col, n, matrix);
     }
   }
   // The squares last, while the stores drain.
@@ -508,6 +505,11 @@ PackedTriangle packed_triangle_of(const SymmetricTiles& tiles) {
     layout.offsets[j] = tiles.offset(j);
   }
   return layout;
+}
+
+// Whether a buffer of `element`-byte entries is aligned to a run of kRunRows entries.
+bool aligned_to_runs(const void* buffer, size_t element) {
+  return reinterpret_cast<uintptr_t>(buffer) % (kRunRows * element) == 0;
 }
 
 // One block per lower 64 x 64 tile, the batch along y.
@@ -654,12 +656,9 @@ template <typename Source>
 void launch_unpack_symmetric(const Source* packed, const PackedTriangle& layout, dim3 grid,
                              void* dst, shardmuon_dtype dst_type, float shift, float* parts,
                              cudaStream_t stream) {
-  constexpr int R = kRunRows;
-  const dim3 block(TileThreads<R>::kX, TileThreads<R>::kY);
-  const size_t dst_element = dst_type == SHARDMUON_FLOAT32 ? sizeof(float) : sizeof(__nv_bfloat16);
-  if (reinterpret_cast<uintptr_t>(packed) % (R * sizeof(Source)) != 0 ||
-      reinterpret_cast<uintptr_t>(dst) % (R * dst_element) != 0) {
-    fail(SHARDMUON_ERROR_INTERNAL, "unpack_symmetric_cuda takes buffers aligned to ", R,
+  const dim3 block(TileThreads::kX, TileThreads::kY);
+  if (!aligned_to_runs(packed, sizeof(Source)) || !aligned_to_runs(dst, element_size(dst_type))) {
+    fail(SHARDMUON_ERROR_INTERNAL, "unpack_symmetric_cuda takes buffers aligned to ", kRunRows,
          " entries");
   }
   if (dst_type == SHARDMUON_FLOAT32) {
@@ -700,21 +699,20 @@ void mirror_lower_cuda(void* matrix, shardmuon_dtype dtype, int64_t n, int64_t b
                        cudaStream_t stream) {
   if (n == 0 || batch == 0) return;
   if (upper_computed && diagonal.addend == nullptr && square_parts == nullptr) return;
-  constexpr int R = kRunRows;
-  if (n % R != 0) {
-    fail(SHARDMUON_ERROR_INTERNAL, "mirror_lower_cuda takes a side that is a multiple of ", R,
-         ", not ", n);
+  if (n % kRunRows != 0) {
+    fail(SHARDMUON_ERROR_INTERNAL, "mirror_lower_cuda takes a side that is a multiple of ",
+         kRunRows, ", not ", n);
   }
-  const size_t element = dtype == SHARDMUON_FLOAT32 ? sizeof(float) : sizeof(__nv_bfloat16);
-  if (reinterpret_cast<uintptr_t>(matrix) % (R * element) != 0) {
-    fail(SHARDMUON_ERROR_INTERNAL, "mirror_lower_cuda takes a matrix aligned to ", R, " entries");
+  if (!aligned_to_runs(matrix, element_size(dtype))) {
+    fail(SHARDMUON_ERROR_INTERNAL, "mirror_lower_cuda takes a matrix aligned to ", kRunRows,
+         " entries");
   }
   dim3 grid = lower_tile_grid(n, batch);
   // With nothing to store above the diagonal and no squares, only the diagonal tiles have
   // work: they come first in the grid (lower_tile_of).
   if (upper_computed && square_parts == nullptr)
     grid.x = static_cast<unsigned int>(tiles_per_side(n));
-  const dim3 block(TileThreads<R>::kX, TileThreads<R>::kY);
+  const dim3 block(TileThreads::kX, TileThreads::kY);
   const float* squares = static_cast<const float*>(diagonal.squares);
   const float square_scale = static_cast<float>(diagonal.square_scale),
               scale = static_cast<float>(diagonal.scale),
