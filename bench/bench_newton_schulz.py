@@ -249,6 +249,20 @@ def product_triangle_elements(s):
     return triangle_elements(s)[0]
 
 
+def product_side(s):
+    """The short side the products run on: mirrors product_side in src/core/symmetric_tiles.h
+    with the CUDA backend's multiple (its block width, or SHARDMUON_SHORT_SIDE_MULTIPLE): s
+    rounded up to 8, and further to that multiple where this adds at most 1/32 of the side
+    and leaves at least two blocks."""
+    multiple = int(os.environ.get("SHARDMUON_SHORT_SIDE_MULTIPLE",
+                                  os.environ.get("SHARDMUON_SYMMETRIC_BLOCK", "512")))
+    aligned = -(-s // 8) * 8
+    if multiple <= 8 or aligned < 2 * multiple:
+        return aligned
+    rounded = -(-aligned // multiple) * multiple
+    return rounded if (rounded - aligned) * 32 <= aligned else aligned
+
+
 def floor_ms(s, length, iterations, rates, dtype_name, world, algorithm, iteration="standard"):
     """shardmuon's executed GEMM flops over the measured GEMM rate, plus the communication
     it cannot hide. A summed Gram's all-reduce can only overlap the Gram's own products (what
@@ -262,7 +276,7 @@ def floor_ms(s, length, iterations, rates, dtype_name, world, algorithm, iterati
     restarts every 2 steps (gram_iteration_restart in src/core/newton_schulz.h) and sums the
     Gram once per restart. (c)'s: per step the Gram and two applications of it to the rank's
     block (Y = c S X, X <- S Y + d X), no A A."""
-    s, length = -(-s // 8) * 8, -(-length // 8) * 8  # the library pads to multiples of 8
+    s, length = product_side(s), -(-length // 8) * 8  # as the library pads them
     packed, last_group = triangle_elements(s)
     products = product_triangle_elements(s)
     summed = world > 1 and algorithm.startswith("gram")

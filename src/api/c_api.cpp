@@ -108,9 +108,10 @@ ValidatedNsCall validate_ns_call(shardmuon_context_t context, Communicator& comm
                            plan_newton_schulz(shard_layout, comm.size(), *options)};
 
   Digest digest;
-  // The symmetric block width ($SHARDMUON_SYMMETRIC_BLOCK on CUDA) decides how a Gram sum is
-  // cut into all-reduces, so ranks must agree on it too.
+  // The symmetric block width ($SHARDMUON_SYMMETRIC_BLOCK on CUDA) and the short side's
+  // padding decide how a Gram sum is cut into all-reduces, so ranks must agree on them too.
   digest.add(call.backend->kind()).add(call.backend->symmetric_block_target());
+  digest.add(call.backend->short_side_multiple());
   digest.add(dtype).add(layout->rows).add(layout->cols);
   digest.add(layout->partition);
   for (int64_t size : shard_layout.shard_sizes()) digest.add(size);

@@ -209,6 +209,14 @@ class Backend {
   virtual void divide_by_norm(const void* x, void* y, shardmuon_dtype dtype, int64_t count,
                               int64_t batch, const void* sum_of_squares, double eps,
                               Stream stream) = 0;
+  // The same into a padded copy: y (batch row-major matrices of padded_rows x padded_cols, one
+  // after another) = x (rows x cols each, one after another) divided as above, zero outside
+  // x's rows and columns (padded_rows >= rows, padded_cols >= cols, padded_cols a multiple of
+  // kProductAlignment). x and y must not overlap.
+  virtual void divide_by_norm_padded(const void* x, int64_t rows, int64_t cols, void* y,
+                                     int64_t padded_rows, int64_t padded_cols,
+                                     shardmuon_dtype dtype, int64_t batch,
+                                     const void* sum_of_squares, double eps, Stream stream) = 0;
 
   virtual void gemm(const GemmCall& call, Stream stream) = 0;
 
@@ -227,6 +235,9 @@ class Backend {
   // How wide SymmetricTiles' blocks should be on this backend: narrower blocks save more
   // flops (the triangle), wider ones run the GEMMs faster.
   virtual int64_t symmetric_block_target() const = 0;
+  // The multiple a Newton-Schulz block's short side is padded up to where that is cheap
+  // (product_side in symmetric_tiles.h): the block width, so that the tiles are equal blocks.
+  virtual int64_t short_side_multiple() const = 0;
   // The tiles of the symmetric products whose n x n results lie in full matrices on one rank
   // (a Gram that is not summed, A A, (e)'s products). A summed Gram's packed tiles stay
   // SymmetricTiles::split(n, symmetric_block_target()), the layout its all-reduces move.

@@ -190,8 +190,9 @@ ValidatedMuonStep validate_muon_step(const Backend& backend, const Communicator&
   ValidatedMuonStep step;
   Digest digest;
   digest.add(num_params).add(num_groups).add(backend.kind()).add(use_grads);
-  // The symmetric block width decides how Gram sums are cut into all-reduces.
-  digest.add(backend.symmetric_block_target());
+  // The symmetric block width and the short sides' padding decide how Gram sums are cut into
+  // all-reduces.
+  digest.add(backend.symmetric_block_target()).add(backend.short_side_multiple());
   digest.add(ns_batch_cap());
   for (int g = 0; g < num_groups; ++g) {
     const shardmuon_muon_group& group = groups[g];

@@ -44,15 +44,17 @@ struct WideBlock {
   int64_t storage_rows() const { return long_side_is_cols ? s : length; }
   int64_t storage_cols() const { return long_side_is_cols ? length : s; }
 
-  // The block with both sides rounded up to a multiple of kProductAlignment elements. Zero
-  // rows and
-  // columns added to X stay zero and change nothing else: X X^T gains zero rows and
-  // columns, P = a I + b A + c A A is block-diagonal with a I on the padding, and P X keeps
-  // the padding zero. Iterating on the padded block lets the GEMMs use leading dimensions
-  // whose rows are 16-byte aligned, which the tensor-core kernels need to run at full rate
-  // (at 3001 x 10007 the unpadded products ran at a sixth of it).
-  WideBlock padded() const {
-    return WideBlock{padded_extent(s), padded_extent(length), long_side_is_cols};
+  // The block with both sides rounded up to a multiple of kProductAlignment elements, the
+  // short side further to product_side(s, short_side_multiple). Zero rows and columns added
+  // to X stay zero and change nothing else: X X^T gains zero rows and columns, P = a I + b A
+  // + c A A is block-diagonal with a I on the padding, and P X keeps the padding zero (so do
+  // (e)'s M X and (c)'s products). Iterating on the padded block lets the GEMMs use leading
+  // dimensions whose rows are 16-byte aligned, which the tensor-core kernels need to run at
+  // full rate (at 3001 x 10007 the unpadded products ran at a sixth of it), and the
+  // symmetric products equal blocks.
+  WideBlock padded(int64_t short_side_multiple) const {
+    return WideBlock{product_side(s, short_side_multiple), padded_extent(length),
+                     long_side_is_cols};
   }
   bool operator==(const WideBlock& other) const {
     return s == other.s && length == other.length && long_side_is_cols == other.long_side_is_cols;
@@ -101,7 +103,7 @@ struct IterationSlots {
     const size_t storage = element_size(dtype);
     const size_t accumulate = element_size(accumulate_dtype(dtype));
     IterationSlots slots;
-    slots.padded = block.padded();
+    slots.padded = block.padded(backend.short_side_multiple());
     const int64_t s = slots.padded.s;
     slots.tiles = SymmetricTiles::split(s, backend.symmetric_block_target());
     slots.product_tiles = backend.product_tiles(s);
@@ -835,35 +837,14 @@ void iterate_on_block(Backend& backend, Communicator* comm, const NsProblem& pro
   const int64_t count = block.elements(), batch = buffers.batch;
   sum_of_squares_over_group(backend, comm, dtype, data, count, buffers, stream);
   // Unless the block is aligned already, X is staged in the padded block (zero outside
-  // the data) and copied back after the last product.
+  // the data) as it is normalized, and copied back after the last product.
   const WideBlock& padded = buffers.padded;
   const bool staged = !(padded == block);
   const size_t element = element_size(dtype);
-  // Between the caller's matrices and the padded ones, either way: the whole batch in one
-  // pitched copy when only the columns are padded (its rows then follow each other at both
-  // pitches), else matrix by matrix.
-  auto copy_batch = [&](void* dst, int64_t dst_cols, const void* src, int64_t src_cols,
-                        int64_t dst_stride, int64_t src_stride) {
-    const size_t row_bytes = block.storage_cols() * element;
-    if (padded.storage_rows() == block.storage_rows()) {
-      backend.copy_2d(dst, dst_cols * element, src, src_cols * element, row_bytes,
-                      block.storage_rows() * batch, stream);
-      return;
-    }
-    for (int64_t i = 0; i < batch; ++i) {
-      backend.copy_2d(static_cast<char*>(dst) + i * dst_stride * element, dst_cols * element,
-                      static_cast<const char*>(src) + i * src_stride * element, src_cols * element,
-                      row_bytes, block.storage_rows(), stream);
-    }
-  };
   if (staged) {
-    backend.fill_zero(buffers.x[0], padded.elements() * batch * element, stream);
-    if (count > 0) {
-      copy_batch(buffers.x[0], padded.storage_cols(), data, block.storage_cols(), padded.elements(),
-                 count);
-    }
-    backend.divide_by_norm(buffers.x[0], buffers.x[0], dtype, padded.elements(), batch,
-                           buffers.sum_of_squares, problem.eps, stream);
+    backend.divide_by_norm_padded(data, block.storage_rows(), block.storage_cols(), buffers.x[0],
+                                  padded.storage_rows(), padded.storage_cols(), dtype, batch,
+                                  buffers.sum_of_squares, problem.eps, stream);
   } else if (count > 0) {
     backend.divide_by_norm(data, buffers.x[0], dtype, count, batch, buffers.sum_of_squares,
                            problem.eps, stream);
@@ -872,8 +853,20 @@ void iterate_on_block(Backend& backend, Communicator* comm, const NsProblem& pro
   // The iterates alternate between the two scratch buffers; unstaged, the last one lands
   // in `data`, so the caller's memory is written only by the final product.
   const void* x = iterate(backend, comm, problem, buffers, data, staged, nullptr, stream);
+  // Back to the caller's matrices: the whole batch in one pitched copy when only the columns
+  // are padded (its rows then follow each other at both pitches), else matrix by matrix.
   if (staged && count > 0) {
-    copy_batch(data, block.storage_cols(), x, padded.storage_cols(), count, padded.elements());
+    const size_t row_bytes = block.storage_cols() * element;
+    const size_t pitch = padded.storage_cols() * element;
+    if (padded.storage_rows() == block.storage_rows()) {
+      backend.copy_2d(data, row_bytes, x, pitch, row_bytes, block.storage_rows() * batch, stream);
+    } else {
+      for (int64_t i = 0; i < batch; ++i) {
+        backend.copy_2d(static_cast<char*>(data) + i * count * element, row_bytes,
+                        static_cast<const char*>(x) + i * padded.elements() * element, pitch,
+                        row_bytes, block.storage_rows(), stream);
+      }
+    }
   }
 }
 

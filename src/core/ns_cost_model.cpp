@@ -23,7 +23,7 @@ struct ProductCosts {
 };
 
 ProductCosts product_costs(int64_t s, int64_t length, int ranks, const MachineModel& machine) {
-  s = padded_extent(s);
+  s = product_side(s, machine.short_side_multiple);
   length = padded_extent(length);
   const SymmetricTiles tiles = SymmetricTiles::split(s, machine.symmetric_block_target);
   // Products into full matrices on one rank have tiles of their own.

@@ -21,7 +21,8 @@ struct MachineModel {
   double seconds_per_gemm = 15e-6;             // launch, ramp-up and tail of one product
   double seconds_per_collective = 30e-6;
   int64_t symmetric_block_target = 512;
-  int element_bytes = 2;  // bf16 storage
+  int64_t short_side_multiple = 512;  // product_side's, as the CUDA backend pads
+  int element_bytes = 2;              // bf16 storage
   // A Gram summed over a group travels in bf16 (newton_schulz.cpp, gram_sum_dtype; a callback
   // communicator sums float32, twice the bytes, which the model does not see).
   int gram_sum_bytes = 2;

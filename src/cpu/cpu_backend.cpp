@@ -30,6 +30,32 @@ blasint blas_dimension(int64_t value) {
   return static_cast<blasint>(value);
 }
 
+// 1 / max(sqrt(sum of squares of matrix b), eps), 0 for a zero norm, and its product with a
+// value: in float64 for float64 data, else in the CUDA kernels' float32 arithmetic.
+struct NormScale {
+  bool float64 = false;
+  double scale = 0.0;
+
+  static NormScale of(const void* sums_of_squares, shardmuon_dtype dtype, int64_t b, double eps) {
+    const shardmuon_dtype accumulate = accumulate_dtype(dtype);
+    NormScale result;
+    result.float64 = accumulate == SHARDMUON_FLOAT64;
+    if (result.float64) {
+      const double norm = std::max(std::sqrt(load_element(sums_of_squares, accumulate, b)), eps);
+      result.scale = norm > 0 ? 1.0 / norm : 0.0;
+    } else {
+      const float norm =
+          std::max(std::sqrt(static_cast<float>(load_element(sums_of_squares, accumulate, b))),
+                   static_cast<float>(eps));
+      result.scale = norm > 0 ? 1.0f / norm : 0.0f;
+    }
+    return result;
+  }
+  double apply(double value) const {
+    return float64 ? value * scale : static_cast<float>(value) * static_cast<float>(scale);
+  }
+};
+
 // Elements a column-major operand of `columns` columns with leading dimension ld spans.
 int64_t span(int64_t ld, int64_t columns) {
   return columns == 0 ? 0 : ld * columns;
@@ -84,24 +110,27 @@ class CpuBackend final : public Backend {
 
   void divide_by_norm(const void* x, void* y, shardmuon_dtype dtype, int64_t count, int64_t batch,
                       const void* sum_of_squares, double eps, Stream) override {
-    const shardmuon_dtype accumulate = accumulate_dtype(dtype);
     for (int64_t b = 0; b < batch; ++b) {
-      double scale;
-      if (accumulate == SHARDMUON_FLOAT64) {
-        const double norm = std::max(std::sqrt(load_element(sum_of_squares, accumulate, b)), eps);
-        scale = norm > 0 ? 1.0 / norm : 0.0;
-      } else {  // the CUDA kernel's float32 arithmetic
-        const float norm =
-            std::max(std::sqrt(static_cast<float>(load_element(sum_of_squares, accumulate, b))),
-                     static_cast<float>(eps));
-        scale = norm > 0 ? 1.0f / norm : 0.0f;
-      }
+      const NormScale scale = NormScale::of(sum_of_squares, dtype, b, eps);
       for (int64_t i = b * count; i < (b + 1) * count; ++i) {
-        const double value =
-            accumulate == SHARDMUON_FLOAT64
-                ? load_element(x, dtype, i) * scale
-                : static_cast<float>(load_element(x, dtype, i)) * static_cast<float>(scale);
-        store_element(y, dtype, i, value);
+        store_element(y, dtype, i, scale.apply(load_element(x, dtype, i)));
+      }
+    }
+  }
+
+  void divide_by_norm_padded(const void* x, int64_t rows, int64_t cols, void* y,
+                             int64_t padded_rows, int64_t padded_cols, shardmuon_dtype dtype,
+                             int64_t batch, const void* sum_of_squares, double eps,
+                             Stream) override {
+    for (int64_t b = 0; b < batch; ++b) {
+      const NormScale scale = NormScale::of(sum_of_squares, dtype, b, eps);
+      for (int64_t r = 0; r < padded_rows; ++r) {
+        for (int64_t c = 0; c < padded_cols; ++c) {
+          const double value = r < rows && c < cols
+                                   ? scale.apply(load_element(x, dtype, (b * rows + r) * cols + c))
+                                   : 0.0;
+          store_element(y, dtype, (b * padded_rows + r) * padded_cols + c, value);
+        }
       }
     }
   }
@@ -230,6 +259,9 @@ class CpuBackend final : public Backend {
   // Blocks of 32 columns: the CPU backend runs the tests, which should split their small
   // matrices into several blocks.
   int64_t symmetric_block_target() const override { return 32; }
+  // As on CUDA, the block width: nothing to gain here, but the tests on this backend then run
+  // the padded short sides the GPU does (any side from 256 whose next multiple of 32 is close).
+  int64_t short_side_multiple() const override { return 32; }
 
   // Every GEMM dimension and leading dimension is at most the matrix's rows or cols.
   void check_matrix_shape(int64_t rows, int64_t cols, const std::string& name) const override {

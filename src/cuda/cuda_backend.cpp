@@ -59,6 +59,14 @@ class CudaBackend final : public Backend {
                           text, "'");
       symmetric_block_target_ = value;
     }
+    short_side_multiple_ = symmetric_block_target_;
+    // $SHARDMUON_SHORT_SIDE_MULTIPLE overrides it, for tuning (bench/); 8 pads to 16 bytes only.
+    if (const char* text = std::getenv("SHARDMUON_SHORT_SIDE_MULTIPLE")) {
+      const long long value = std::atoll(text);
+      SHARDMUON_CHECK_ARG(value > 0, "SHARDMUON_SHORT_SIDE_MULTIPLE must be a positive integer, ",
+                          "not '", text, "'");
+      short_side_multiple_ = value;
+    }
     SHARDMUON_CUDA(cudaDeviceGetAttribute(&device_sms_, cudaDevAttrMultiProcessorCount, device_));
     // $SHARDMUON_COMM_SMS overrides the SMs left to a collective that overlaps a GEMM.
     if (const char* text = std::getenv("SHARDMUON_COMM_SMS")) {
@@ -198,6 +206,14 @@ class CudaBackend final : public Backend {
     divide_by_norm_cuda(x, y, dtype, count, batch, sum_of_squares, eps, as_cuda(stream));
   }
 
+  void divide_by_norm_padded(const void* x, int64_t rows, int64_t cols, void* y,
+                             int64_t padded_rows, int64_t padded_cols, shardmuon_dtype dtype,
+                             int64_t batch, const void* sum_of_squares, double eps,
+                             Stream stream) override {
+    divide_by_norm_padded_cuda(x, rows, cols, y, padded_rows, padded_cols, dtype, batch,
+                               sum_of_squares, eps, as_cuda(stream));
+  }
+
   void gemm(const GemmCall& call, Stream stream) override {
     if (!call.overlaps_communication || communication_sms_ == 0) {
       gemm_->run(call, as_cuda(stream));
@@ -249,6 +265,7 @@ class CudaBackend final : public Backend {
   }
 
   int64_t symmetric_block_target() const override { return symmetric_block_target_; }
+  int64_t short_side_multiple() const override { return short_side_multiple_; }
 
   // Whole waves of thread blocks where the side allows (SymmetricTiles::for_products).
   SymmetricTiles product_tiles(int64_t n) const override {
@@ -298,6 +315,7 @@ class CudaBackend final : public Backend {
   // tiles came in: 2.48 ms at 512 against 2.55 at 1024); a summed Gram of side 4096 then
   // computes 36/64 of the full product (products on one rank: product_tiles).
   int64_t symmetric_block_target_ = SymmetricTiles::kDefaultBlockTarget;
+  int64_t short_side_multiple_ = SymmetricTiles::kDefaultBlockTarget;
   int device_sms_ = 0;
   // SMs that GEMMs overlapping a collective leave free for it (cuBLASLt's SM count target).
   // 32 measured best of 0, 16 and 32 on 2 H200s (docs/BENCHMARKS.md): up to 7% faster at

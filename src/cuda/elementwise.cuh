@@ -20,6 +20,10 @@ void sum_of_squares_cuda(const void* x, shardmuon_dtype dtype, int64_t count, in
 void divide_by_norm_cuda(const void* x, void* y, shardmuon_dtype dtype, int64_t count,
                          int64_t batch, const void* sum_of_squares, double eps,
                          cudaStream_t stream);
+void divide_by_norm_padded_cuda(const void* x, int64_t rows, int64_t cols, void* y,
+                                int64_t padded_rows, int64_t padded_cols, shardmuon_dtype dtype,
+                                int64_t batch, const void* sum_of_squares, double eps,
+                                cudaStream_t stream);
 int64_t column_square_parts_cuda(int64_t n);
 void unpack_symmetric_cuda(const void* packed, shardmuon_dtype src_type,
                            const SymmetricTiles& tiles, int64_t batch, void* dst,

@@ -1,6 +1,7 @@
 // The CUDA backend's symmetric passes (mirror_lower, unpack_symmetric, and the column squares
-// they take in parts) against the CPU backend's, on one GPU: the passes of the multi-rank
-// Gram (the unpacking) cannot otherwise be checked without two GPUs. Skipped without a GPU.
+// they take in parts), and the division staging X into the padded block they work on, against
+// the CPU backend's, on one GPU: the passes of the multi-rank Gram (the unpacking) cannot
+// otherwise be checked without two GPUs. Skipped without a GPU.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -293,6 +294,52 @@ TEST_P(SymmetricPasses, ProductTilesAreThirtyTwoEqualBlocksAtMultiplesOf4096) {
     const SymmetricTiles tiles = cuda_->product_tiles(n);
     const SymmetricTiles packed = SymmetricTiles::split(n, cuda_->symmetric_block_target());
     EXPECT_EQ(tiles.starts, packed.starts) << n;
+  }
+}
+
+// The division that stages an unaligned block into the padded one the products run on
+// (Backend::divide_by_norm_padded): the CPU backend's values bit for bit, zero in the padding,
+// for a batch of two (the second with a zero norm and eps 0: zeros, not NaN), where the padding
+// adds columns only, rows only, both, or none.
+TEST_P(SymmetricPasses, DivisionIntoAPaddedBlockMatchesTheCpuBackend) {
+  const shardmuon_dtype dtype = GetParam();
+  struct Case {
+    int64_t rows, cols, padded_rows, padded_cols;
+  };
+  for (const Case& c : {Case{3, 5, 3, 8}, Case{37, 104, 40, 104}, Case{301, 97, 320, 104},
+                        Case{16, 24, 16, 24}, Case{1, 1, 8, 8}}) {
+    SCOPED_TRACE(std::to_string(c.rows) + " x " + std::to_string(c.cols) + " into " +
+                 std::to_string(c.padded_rows) + " x " + std::to_string(c.padded_cols));
+    const std::vector<char> source = random_elements(dtype, c.rows * c.cols * kBatch, 13);
+    std::vector<char> sums(2 * sizeof(float));
+    store_element(sums.data(), SHARDMUON_FLOAT32, 0, 37.5);
+    store_element(sums.data(), SHARDMUON_FLOAT32, 1, 0.0);
+    const int64_t padded = c.padded_rows * c.padded_cols * kBatch;
+    std::vector<char> expected(static_cast<size_t>(padded) * element_size(dtype), 1);
+    cpu_->divide_by_norm_padded(source.data(), c.rows, c.cols, expected.data(), c.padded_rows,
+                                c.padded_cols, dtype, kBatch, sums.data(), 0.0, nullptr);
+    // The device buffer starts non-zero, so the padding must be written.
+    void* device = on_device(std::vector<char>(expected.size(), 1));
+    cuda_->divide_by_norm_padded(on_device(source), c.rows, c.cols, device, c.padded_rows,
+                                 c.padded_cols, dtype, kBatch, on_device(sums), 0.0, nullptr);
+    const std::vector<char> got = to_host(device, expected.size());
+    expect_same_matrices(expected, got, dtype, padded, "divided into the padded block");
+    int64_t nonzero_padding = 0, second_nonzero = 0;
+    for (int64_t b = 0; b < kBatch; ++b) {
+      for (int64_t r = 0; r < c.padded_rows; ++r) {
+        for (int64_t col = 0; col < c.padded_cols; ++col) {
+          const double value =
+              load_element(got.data(), dtype, (b * c.padded_rows + r) * c.padded_cols + col);
+          nonzero_padding += (r >= c.rows || col >= c.cols) && value != 0.0;
+          second_nonzero += b == 1 && value != 0.0;
+        }
+      }
+    }
+    EXPECT_EQ(nonzero_padding, 0);
+    EXPECT_EQ(second_nonzero, 0);
+    // The first matrix's entries are the source's over sqrt(37.5), rounded.
+    EXPECT_NEAR(load_element(got.data(), dtype, 0),
+                load_element(source.data(), dtype, 0) / std::sqrt(37.5), 1e-2);
   }
 }
 

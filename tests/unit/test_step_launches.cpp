@@ -56,6 +56,12 @@ class CountingBackend final : public Backend {
                       const void* sums, double eps, Stream stream) override {
     inner_->divide_by_norm(x, y, dtype, count, batch, sums, eps, stream);
   }
+  void divide_by_norm_padded(const void* x, int64_t rows, int64_t cols, void* y,
+                             int64_t padded_rows, int64_t padded_cols, shardmuon_dtype dtype,
+                             int64_t batch, const void* sums, double eps, Stream stream) override {
+    inner_->divide_by_norm_padded(x, rows, cols, y, padded_rows, padded_cols, dtype, batch, sums,
+                                  eps, stream);
+  }
   void gemm(const GemmCall& call, Stream stream) override {
     ++gemm_calls;
     products += call.batch * (call.product_count > 0 ? call.product_count : 1);
@@ -83,6 +89,7 @@ class CountingBackend final : public Backend {
   }
   void* persistent_status() override { return inner_->persistent_status(); }
   int64_t symmetric_block_target() const override { return inner_->symmetric_block_target(); }
+  int64_t short_side_multiple() const override { return inner_->short_side_multiple(); }
   SymmetricTiles product_tiles(int64_t n) const override { return inner_->product_tiles(n); }
   int64_t column_square_parts(int64_t n) const override { return inner_->column_square_parts(n); }
   void unpack_symmetric(const void* packed, shardmuon_dtype src_type, const SymmetricTiles& tiles,

@@ -52,6 +52,38 @@ TEST(SymmetricTiles, ProductsRunInThirtyTwoBlocksOnlyAtMultiplesOf4096AndTheDefa
             SymmetricTiles::split(3008, 512).starts);
 }
 
+TEST(SymmetricTiles, ShortSidesArePaddedToTheBlockWidthWhereThatIsCheap) {
+  // Within 1/32 of the side and at least two blocks: to the next multiple.
+  EXPECT_EQ(product_side(3001, 512), 3072);
+  EXPECT_EQ(product_side(5000, 512), 5120);
+  EXPECT_EQ(product_side(2000, 512), 2048);
+  EXPECT_EQ(product_side(12000, 512), 12288);
+  EXPECT_EQ(product_side(309, 32), 320);
+  // The short sides of NewtonSchulzPaddedSides (tests/distributed/test_newton_schulz.cpp).
+  EXPECT_EQ(product_side(1510, 512), 1536);
+  // 1600 -> 2048 and 4104 -> 4608 would add more than 1/32; 1000 is one block.
+  EXPECT_EQ(product_side(1600, 512), 1600);
+  EXPECT_EQ(product_side(4100, 512), 4104);
+  EXPECT_EQ(product_side(1000, 512), 1000);
+  EXPECT_EQ(product_side(300, 32), 304);
+  // Multiples stay; a multiple of 8 or less only aligns.
+  EXPECT_EQ(product_side(4096, 512), 4096);
+  EXPECT_EQ(product_side(3001, 8), 3008);
+  EXPECT_EQ(product_side(3001, 0), 3008);
+  EXPECT_EQ(product_side(0, 512), 0);
+  // Every padded side splits into equal blocks of the multiple.
+  for (int64_t s = 1; s <= 20000; s += 7) {
+    const int64_t side = product_side(s, 512);
+    ASSERT_GE(side, padded_extent(s));
+    ASSERT_LE((side - padded_extent(s)) * 32, padded_extent(s)) << "s " << s;
+    if (side != padded_extent(s)) {
+      ASSERT_EQ(side % 512, 0) << "s " << s;
+      const SymmetricTiles tiles = SymmetricTiles::split(side, 512);
+      EXPECT_EQ(tiles.width(tiles.blocks() - 1), tiles.width(0)) << "s " << s;
+    }
+  }
+}
+
 TEST(SymmetricTiles, PackedIndexCoversTheLowerTilesOnce) {
   for (int64_t n : {64, 104, 136, 200}) {
     const SymmetricTiles tiles = SymmetricTiles::split(n, 32);
