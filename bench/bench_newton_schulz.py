@@ -256,6 +256,7 @@ def product_side(s):
     and leaves at least two blocks."""
     multiple = int(os.environ.get("SHARDMUON_SHORT_SIDE_MULTIPLE",
                                   os.environ.get("SHARDMUON_SYMMETRIC_BLOCK", "512")))
+    multiple = -(-multiple // 8) * 8
     aligned = -(-s // 8) * 8
     if multiple <= 8 or aligned < 2 * multiple:
         return aligned

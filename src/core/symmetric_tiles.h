@@ -24,17 +24,19 @@ inline int64_t padded_extent(int64_t x) {
 }
 
 // The side the products run on for a short side s: padded_extent(s), and further a multiple
-// of `multiple` (a backend's block width) where that adds at most 1/32 of the side and leaves
-// at least two blocks. The tiles of the symmetric products are then equal blocks of `multiple`
+// of `multiple` (a backend's block width, itself rounded up to kProductAlignment so that the
+// side stays aligned) where that adds at most 1/32 of the side and leaves at least two
+// blocks. The tiles of the symmetric products are then equal blocks of `multiple`
 // (SymmetricTiles::split), one launch of whole thread-block tiles, where the bare side split
 // into a few wide blocks (3008 = 2 x 1504: 3/4 of the full product's flops, where 6 x 512 of
 // 3072 compute 21/36) or into blocks of two widths, whose narrow launches run on part of the
 // GPU for the whole inner dimension (5000: 8 x 544 and one of 648, three launches). Zero
 // padding is exact (newton_schulz.cpp, WideBlock::padded). Measured on an H200, bf16, quintic
-// 5, a whole call (docs/BENCHMARKS.md, thirty-second session): 3001 x 10007 2.76 ms against
-// 2.30 ms for the larger 3072 x 10008, 5000^2 5.02 against 4.06 for 5120^2.
+// 5, a whole call (docs/BENCHMARKS.md, thirty-second section): 3001 x 10007 1.12x faster,
+// 5000^2 1.14x, 2000 x 7000 1.21x; 7000^2, whose own split ran well, 1.4% slower.
 inline int64_t product_side(int64_t s, int64_t multiple) {
   const int64_t aligned = padded_extent(s);
+  multiple = padded_extent(multiple);
   if (multiple <= kProductAlignment || aligned < 2 * multiple) return aligned;
   const int64_t rounded = (aligned + multiple - 1) / multiple * multiple;
   return (rounded - aligned) * 32 <= aligned ? rounded : aligned;

@@ -30,8 +30,9 @@ blasint blas_dimension(int64_t value) {
   return static_cast<blasint>(value);
 }
 
-// 1 / max(sqrt(sum of squares of matrix b), eps), 0 for a zero norm, and its product with a
-// value: in float64 for float64 data, else in the CUDA kernels' float32 arithmetic.
+// 1 / max(sqrt(sum of squares of matrix b), eps), 0 where that maximum is 0 (a zero matrix
+// with eps 0), and its product with a value: in float64 for float64 data, else in the CUDA
+// kernels' float32 arithmetic.
 struct NormScale {
   bool float64 = false;
   double scale = 0.0;

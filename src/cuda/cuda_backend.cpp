@@ -60,7 +60,7 @@ class CudaBackend final : public Backend {
       symmetric_block_target_ = value;
     }
     short_side_multiple_ = symmetric_block_target_;
-    // $SHARDMUON_SHORT_SIDE_MULTIPLE overrides it, for tuning (bench/); 8 pads to 16 bytes only.
+    // $SHARDMUON_SHORT_SIDE_MULTIPLE overrides it, for tuning (bench/); 8 only aligns the side.
     if (const char* text = std::getenv("SHARDMUON_SHORT_SIDE_MULTIPLE")) {
       const long long value = std::atoll(text);
       SHARDMUON_CHECK_ARG(value > 0, "SHARDMUON_SHORT_SIDE_MULTIPLE must be a positive integer, ",

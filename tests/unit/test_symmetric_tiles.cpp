@@ -71,6 +71,8 @@ TEST(SymmetricTiles, ShortSidesArePaddedToTheBlockWidthWhereThatIsCheap) {
   EXPECT_EQ(product_side(3001, 8), 3008);
   EXPECT_EQ(product_side(3001, 0), 3008);
   EXPECT_EQ(product_side(0, 512), 0);
+  // A multiple that is not one of 8 (a tuning setting) is rounded up to one: 100 -> 104.
+  EXPECT_EQ(product_side(3001, 100), 3016);
   // Every padded side splits into equal blocks of the multiple.
   for (int64_t s = 1; s <= 20000; s += 7) {
     const int64_t side = product_side(s, 512);
