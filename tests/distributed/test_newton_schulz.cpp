@@ -139,34 +139,43 @@ std::string layout_case_name(const ::testing::TestParamInfo<LayoutCase>& info) {
 class NewtonSchulzLayouts : public DistributedTest,
                             public ::testing::WithParamInterface<LayoutCase> {};
 
-TEST_P(NewtonSchulzLayouts, MatchesGatheredReference) {
-  const LayoutCase& c = GetParam();
-  SKIP_FLOAT64_ON_GPU(c.dtype);
-  REQUIRE_GROUP(c.group_size);
-  const Matrix input = input_for(c.shape, c.dtype);
+// Quintic 5 on `shape` (the whole matrix rounded to `dtype`, sharded along `partition` in
+// `sizes`, balanced where empty) against the float64 oracle of the gathered matrix: this rank's
+// result finite and within the dtype's tolerance.
+void expect_gathered_reference(const Group& group, const Shape& shape, shardmuon_dtype dtype,
+                               shardmuon_partition partition, const std::vector<int64_t>& sizes,
+                               shardmuon_ns_algorithm algorithm) {
+  const Matrix input = input_for(shape, dtype);
   const auto coefficients = coefficients_for(SHARDMUON_SCHEDULE_QUINTIC, 5);
-  const std::string key = shape_key(c.shape, c.dtype, "quintic5");
+  const std::string key = shape_key(shape, dtype, "quintic5");
   const Matrix& reference = cached_reference(key, input, coefficients, kEps);
-  const int64_t extent = sharded_extent(c.shape.rows, c.shape.cols, c.partition);
-  const std::vector<int64_t> sizes = pattern_sizes(c.pattern, extent, c.group_size);
-
-  const NsRun run = run_newton_schulz(group, input, c.dtype, c.partition, sizes,
-                                      make_options(SHARDMUON_SCHEDULE_QUINTIC, 5, c.algorithm));
+  const NsRun run = run_newton_schulz(group, input, dtype, partition, sizes,
+                                      make_options(SHARDMUON_SCHEDULE_QUINTIC, 5, algorithm));
   ASSERT_TRUE(all_succeeded(run, group)) << run.error;
+  const int64_t extent = sharded_extent(shape.rows, shape.cols, partition);
   const std::vector<int64_t> actual_sizes =
-      sizes.empty() ? balanced_sizes(extent, c.group_size) : sizes;
+      sizes.empty() ? balanced_sizes(extent, group.size) : sizes;
   const std::vector<double> expected =
-      extract_shard(reference, c.partition, actual_sizes, group.rank);
+      extract_shard(reference, partition, actual_sizes, group.rank);
   ASSERT_TRUE(group_all(run.output_shard.size() == expected.size(), group.mpi));
   int non_finite = 0;
   for (double v : run.output_shard) non_finite += std::isfinite(v) ? 0 : 1;
   EXPECT_EQ(non_finite, 0);
   const double error =
-      c.partition == SHARDMUON_REPLICATED
+      partition == SHARDMUON_REPLICATED
           ? group_max(group_relative_error(run.output_shard, expected, MPI_COMM_SELF), group.mpi)
           : group_relative_error(run.output_shard, expected, group.mpi);
-  report_error(error, tolerance_for(c.dtype), group.rank);
-  EXPECT_LT(error, tolerance_for(c.dtype));
+  report_error(error, tolerance_for(dtype), group.rank);
+  EXPECT_LT(error, tolerance_for(dtype));
+}
+
+TEST_P(NewtonSchulzLayouts, MatchesGatheredReference) {
+  const LayoutCase& c = GetParam();
+  SKIP_FLOAT64_ON_GPU(c.dtype);
+  REQUIRE_GROUP(c.group_size);
+  const int64_t extent = sharded_extent(c.shape.rows, c.shape.cols, c.partition);
+  expect_gathered_reference(group, c.shape, c.dtype, c.partition,
+                            pattern_sizes(c.pattern, extent, c.group_size), c.algorithm);
 }
 
 INSTANTIATE_TEST_SUITE_P(All, NewtonSchulzLayouts, ::testing::ValuesIn(layout_cases()),
@@ -236,28 +245,12 @@ TEST_P(NewtonSchulzPaddedSides, MatchesGatheredReference) {
   REQUIRE_GROUP(c.group_size);
   const Shape wide = Harness::get().on_gpu() ? Shape{1510, 1523} : Shape{309, 331};
   const Shape shape = c.wide ? wide : Shape{wide.cols, wide.rows};
-  const Matrix input = input_for(shape, c.dtype);
-  const auto coefficients = coefficients_for(SHARDMUON_SCHEDULE_QUINTIC, 5);
-  const std::string key = shape_key(shape, c.dtype, "quintic5");
-  const Matrix& reference = cached_reference(key, input, coefficients, kEps);
   const int64_t extent = sharded_extent(shape.rows, shape.cols, c.partition);
-  const std::vector<int64_t> sizes = c.partition == SHARDMUON_REPLICATED
-                                         ? std::vector<int64_t>{}
-                                         : uneven_sizes(extent, c.group_size);
-  const NsRun run = run_newton_schulz(group, input, c.dtype, c.partition, sizes,
-                                      make_options(SHARDMUON_SCHEDULE_QUINTIC, 5, c.algorithm));
-  ASSERT_TRUE(all_succeeded(run, group)) << run.error;
-  const std::vector<int64_t> actual_sizes =
-      sizes.empty() ? balanced_sizes(extent, c.group_size) : sizes;
-  const std::vector<double> expected =
-      extract_shard(reference, c.partition, actual_sizes, group.rank);
-  ASSERT_TRUE(group_all(run.output_shard.size() == expected.size(), group.mpi));
-  const double error =
-      c.partition == SHARDMUON_REPLICATED
-          ? group_max(group_relative_error(run.output_shard, expected, MPI_COMM_SELF), group.mpi)
-          : group_relative_error(run.output_shard, expected, group.mpi);
-  report_error(error, tolerance_for(c.dtype), group.rank);
-  EXPECT_LT(error, tolerance_for(c.dtype));
+  expect_gathered_reference(group, shape, c.dtype, c.partition,
+                            c.partition == SHARDMUON_REPLICATED
+                                ? std::vector<int64_t>{}
+                                : uneven_sizes(extent, c.group_size),
+                            c.algorithm);
 }
 
 INSTANTIATE_TEST_SUITE_P(All, NewtonSchulzPaddedSides, ::testing::ValuesIn(padded_side_cases()),
