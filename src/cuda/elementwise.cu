@@ -23,14 +23,20 @@ unsigned int grid_for(int64_t count) {
   return static_cast<unsigned int>(blocks < 4096 ? (blocks > 0 ? blocks : 1) : 4096);
 }
 
-// y = x * (1 / max(sqrt(sum), eps)), with a zero sum giving y = 0 rather than 0 * inf; vector
+// 1 / max(sqrt(sum), eps), and 0 rather than inf where that maximum is 0 (a zero sum with eps
+// 0): every division's scale, in the arithmetic of the CPU backend's NormScale.
+__device__ __forceinline__ float norm_scale(float sum_of_squares, float eps) {
+  const float norm = fmaxf(sqrtf(sum_of_squares), eps);
+  return norm > 0.0f ? 1.0f / norm : 0.0f;
+}
+
+// y = x * norm_scale(sum, eps), with a zero sum giving y = 0 rather than 0 * inf; vector
 // blockIdx.y of a batch, with its own sum.
 template <typename T>
 __global__ void divide_by_norm_kernel(const T* x, T* y, int64_t count, const float* sums_of_squares,
                                       float eps) {
   const int64_t base = blockIdx.y * count;
-  const float norm = fmaxf(sqrtf(sums_of_squares[blockIdx.y]), eps);
-  const float scale = norm > 0.0f ? 1.0f / norm : 0.0f;
+  const float scale = norm_scale(sums_of_squares[blockIdx.y], eps);
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < count;
        i += int64_t{gridDim.x} * blockDim.x) {
     y[base + i] = from_float<T>(to_float(x[base + i]) * scale);
@@ -48,8 +54,7 @@ __global__ void divide_by_norm_vector_kernel(const T* x, T* y, int64_t count,
   const int64_t vectors = count / kWidth;
   const uint4* in = reinterpret_cast<const uint4*>(x + blockIdx.y * count);
   uint4* out = reinterpret_cast<uint4*>(y + blockIdx.y * count);
-  const float norm = fmaxf(sqrtf(sums_of_squares[blockIdx.y]), eps);
-  const float scale = norm > 0.0f ? 1.0f / norm : 0.0f;
+  const float scale = norm_scale(sums_of_squares[blockIdx.y], eps);
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < vectors;
        i += int64_t{gridDim.x} * blockDim.x) {
     uint4 vector = in[i];
@@ -76,8 +81,7 @@ __global__ void divide_by_norm_padded_kernel(const T* x, int64_t rows, int64_t c
   const int64_t row_vectors = padded_cols / kWidth;
   const T* in = x + blockIdx.y * rows * cols;
   uint4* out = reinterpret_cast<uint4*>(y + blockIdx.y * padded_rows * padded_cols);
-  const float norm = fmaxf(sqrtf(sums_of_squares[blockIdx.y]), eps);
-  const float scale = norm > 0.0f ? 1.0f / norm : 0.0f;
+  const float scale = norm_scale(sums_of_squares[blockIdx.y], eps);
   for (int64_t r = blockIdx.x; r < padded_rows; r += gridDim.x) {
     const T* row = in + (r < rows ? r : 0) * cols;
     for (int64_t v = threadIdx.x; v < row_vectors; v += blockDim.x) {
@@ -333,6 +337,21 @@ __device__ void write_square_parts(const float (*tile)[kTile + 1], float (*scrat
   }
 }
 
+// This thread's run of column c = col0 + y, rows r to r + kRunRows - 1, of a lower tile held in
+// shared memory as tile[column][row], stored: entries on and below the diagonal from
+// tile[y][row], those above it (the upper triangle of a diagonal tile) from their mirror
+// images tile[row][y].
+template <typename T>
+__device__ __forceinline__ void store_tile_run(const float (*tile)[kTile + 1], int row_in_tile,
+                                               int y, int64_t r, int64_t c, int64_t n, T* matrix) {
+  float values[kRunRows];
+#pragma unroll
+  for (int j = 0; j < kRunRows; ++j) {
+    values[j] = r + j >= c ? tile[y][row_in_tile + j] : tile[row_in_tile + j][y];
+  }
+  store_run(matrix, c * n + r, values);
+}
+
 // The mirror of an off-diagonal lower tile (I, J), held in shared memory as tile[column][row]:
 // tile (J, I). With row0 = 64 I, col0 = 64 J and R = kRunRows, its column row0 + y, rows
 // col0 + R x to col0 + R x + R - 1, holds the lower entries (row0 + y, col0 + R x + j). Each
@@ -416,12 +435,7 @@ __global__ void __launch_bounds__(kTileThreads)
   for (int y = threadIdx.y; y < kTile; y += TileThreads::kY) {
     const int64_t c = col0 + y;
     if (r >= n || c >= n) continue;
-    float values[R];
-#pragma unroll
-    for (int j = 0; j < R; ++j) {
-      values[j] = r + j >= c ? tile[y][row_in_tile + j] : tile[row_in_tile + j][y];
-    }
-    store_run(dst, c * n + r, values);
+    store_tile_run(tile, row_in_tile, y, r, c, n, dst);
   }
   if (tile_row != tile_col) store_mirror_tile(tile, tile_row, tile_col, n, dst);
   // The squares last, while the stores drain.
@@ -503,12 +517,7 @@ __global__ void __launch_bounds__(kTileThreads)
       for (int y = threadIdx.y; y < kTile; y += kY) {
         const int64_t c = col0 + y;
         if (r >= n || c >= n || r >= c) continue;
-        float values[R];
-#pragma unroll
-        for (int j = 0; j < R; ++j) {
-          values[j] = r + j >= c ? tile[y][row_in_tile + j] : tile[row_in_tile + j][y];
-        }
-        store_run(matrix, c * n + r, values);
+        store_tile_run(tile, row_in_tile, y, r, c, n, matrix);
       }
     } else {
       store_mirror_tile(tile, tile_row, tile_col, n, matrix);
