@@ -16,12 +16,18 @@ One process per GPU. Rows of the table:
     long-side shards; short-side shards are first moved to long-side ones with one
     all_to_all and moved back after, as the library's (d) does).
 Times: CUDA events around one call, after warm-ups, median over repeats, the slowest rank's
-median; shardmuon and the baselines of a row timed in turn, call by call. Useful TFLOP/s counts
-K (4 s^2 L + 2 s^3) for an s x L matrix (s <= L) whatever the algorithm. The floor is
-shardmuon's executed GEMM flops per GPU (its symmetric products included; (e)'s own where the
-algorithm column says "+ (e)", (c)'s where "+ (c)") over the GEMM rate measured at the start of
-the run, plus the communication it cannot hide at the all-reduce / all-to-all rates measured
-there.
+median; shardmuon and the baselines of a row timed in turn, call by call. Each call starts on an
+idle GPU (--start idle, the default): its time then includes the host's latency before the GPU
+has work (Python, the library's checks, kernel launches: 0.1-0.2 ms on the lent H200s, more than
+a one-kernel op's), which a training step usually hides behind its backward pass, still running
+on the GPU when the optimizer is called. --start queued times the GPU's work alone: a 1 ms GPU
+spin (torch.cuda._sleep) is enqueued before the start event, so that the host has enqueued the
+call's first kernels when the GPU reaches them; for every case alike, the GEMM rates included.
+Useful TFLOP/s counts K (4 s^2 L + 2 s^3) for an s x L matrix (s <= L) whatever the algorithm.
+The floor is shardmuon's executed GEMM flops per GPU (its symmetric products included; (e)'s own
+where the algorithm column says "+ (e)", (c)'s where "+ (c)") over the GEMM rate measured at the
+start of the run, plus the communication it cannot hide at the all-reduce / all-to-all rates
+measured there.
 Errors: relative Frobenius distance to a float64 Newton-Schulz of the gathered matrix.
 Power: under sustained bf16 GEMMs an H200 reaches its 700 W cap and lowers its SM clock (from
 1980 MHz to about 1500 in the eleventh session's runs), so a row can run at a lower clock than
@@ -134,8 +140,11 @@ def sm_clock_mhz():
 
 
 class Timer:
-    def __init__(self, warmups, repeats, world):
+    SPIN_CYCLES = 2_000_000  # about 1 ms at the H200's 1980 MHz
+
+    def __init__(self, warmups, repeats, world, queued=False):
         self.warmups, self.repeats, self.world = warmups, repeats, world
+        self.queued = queued  # each timed call enqueued behind a GPU spin (see Times above)
         self.clock_mhz = None  # the median SM clock read after each of the first case's timed calls
 
     def medians_ms(self, cases, across_ranks=True):
@@ -153,6 +162,8 @@ class Timer:
                 torch.cuda.synchronize()
                 if self.world > 1:
                     dist.barrier()
+                if self.queued:
+                    torch.cuda._sleep(self.SPIN_CYCLES)
                 start.record()
                 run()
                 end.record()
@@ -354,6 +365,9 @@ def main():
                              "run the standard iteration, gram_newton_schulz (e), gram_applied_twice (c)")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--warmups", type=int, default=2)
+    parser.add_argument("--start", choices=("idle", "queued"), default="idle",
+                        help="each timed call starts on an idle GPU, or queued behind a GPU spin "
+                             "(the GPU's work alone; see Times above)")
     parser.add_argument("--tag", default="", help="appended to the table's file name")
     parser.add_argument("--out", default=os.environ.get("OUT", "out/bench"))
     args = parser.parse_args()
@@ -368,7 +382,7 @@ def main():
         dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
     # The 1-GPU rows run over a group of one (no cross-rank argument check in the call).
     alone = dist.new_subgroups(group_size=1)[0] if world > 1 else None
-    timer = Timer(args.warmups, args.repeats, world)
+    timer = Timer(args.warmups, args.repeats, world, queued=args.start == "queued")
     gemm_rates = {name: GemmRate(name) for name in args.dtypes.split(",")}
     rates, clocks = measure_rates(timer, world, gemm_rates)
     optim_muon = torch_optim_muon_function()
@@ -382,7 +396,8 @@ def main():
 
     emit(f"# shardmuon Newton-Schulz benchmark: {torch.cuda.get_device_name()} x {world}, "
          f"torch {torch.__version__}, NCCL {torch.cuda.nccl.version()}, "
-         f"torch.optim.Muon function {'found' if optim_muon else 'not found'}")
+         f"torch.optim.Muon function {'found' if optim_muon else 'not found'}, "
+         f"calls timed from {'a queue (GPU work alone)' if timer.queued else 'an idle GPU'}")
     emit("rates measured in this run: " + ", ".join(
         f"{k} {v / 1e12:.1f} TFLOP/s" + (f" (SM clock {clocks[k]:.0f} MHz)" if clocks.get(k) else "")
         if k.startswith("gemm") else f"{k} {v / 1e9:.0f} GB/s"
