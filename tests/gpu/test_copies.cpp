@@ -88,5 +88,58 @@ TEST(CudaCopies, RowsAtAPitchOfMoreThanTwoGibibytes) {
   EXPECT_TRUE(std::equal(second.begin(), second.end(), read.begin() + row_bytes));
 }
 
+// Rows at every alignment the library can pass (staging and copying back blocks whose rows have
+// an odd element count, of 1, 2, 4 or 8 bytes): each case against the bytes a host copy gives,
+// the destination's bytes between and after the rows left as they were.
+TEST(CudaCopies, RowsAtAnyAlignmentMatchAHostCopy) {
+  if (!cuda_device_available()) GTEST_SKIP() << "no CUDA device";
+  constexpr size_t kCapacity = 1 << 20;
+  DeviceBytes src(kCapacity), dst(kCapacity);
+  ASSERT_NE(src.data, nullptr);
+  ASSERT_NE(dst.data, nullptr);
+  std::vector<unsigned char> source(kCapacity), before(kCapacity), read(kCapacity);
+  for (size_t i = 0; i < kCapacity; ++i) {
+    source[i] = static_cast<unsigned char>(i * 37 + (i >> 8) * 11 + 5);
+    before[i] = static_cast<unsigned char>(i * 53 + 201);
+  }
+  ASSERT_EQ(cudaMemcpy(src.data, source.data(), kCapacity, cudaMemcpyHostToDevice), cudaSuccess);
+  std::unique_ptr<Backend> cuda = make_cuda_backend(0);
+  int cases = 0;
+  for (size_t unit : {1, 2, 4, 8}) {
+    for (size_t dst_offset : {size_t{0}, unit, 3 * unit, 16 - unit, 16 + 2 * unit}) {
+      for (size_t src_offset : {size_t{0}, unit, 5 * unit}) {
+        for (size_t row_units : {1, 3, 8, 17, 1001, 10007}) {
+          for (size_t pitch_units : {size_t{0}, size_t{1}, size_t{9}}) {
+            const size_t row_bytes = row_units * unit, rows = row_units > 1000 ? 5 : 7;
+            const size_t dst_pitch = row_bytes + pitch_units * unit;
+            const size_t src_pitch = row_bytes + (pitch_units + 1) % 3 * unit;
+            const std::string where =
+                "unit " + std::to_string(unit) + ", offsets " + std::to_string(dst_offset) + " / " +
+                std::to_string(src_offset) + ", row " + std::to_string(row_bytes) +
+                " bytes, pitches " + std::to_string(dst_pitch) + " / " + std::to_string(src_pitch);
+            ASSERT_LE(dst_offset + rows * dst_pitch, kCapacity) << where;
+            ASSERT_LE(src_offset + rows * src_pitch, kCapacity) << where;
+            ASSERT_EQ(cudaMemcpy(dst.data, before.data(), kCapacity, cudaMemcpyHostToDevice),
+                      cudaSuccess);
+            cuda->copy_2d(dst.bytes() + dst_offset, dst_pitch, src.bytes() + src_offset, src_pitch,
+                          row_bytes, rows, nullptr);
+            ASSERT_EQ(cudaMemcpy(read.data(), dst.data, kCapacity, cudaMemcpyDeviceToHost),
+                      cudaSuccess)
+                << where;
+            std::vector<unsigned char> expected = before;
+            for (size_t r = 0; r < rows; ++r) {
+              std::copy_n(source.begin() + src_offset + r * src_pitch, row_bytes,
+                          expected.begin() + dst_offset + r * dst_pitch);
+            }
+            ASSERT_EQ(read, expected) << where;
+            ++cases;
+          }
+        }
+      }
+    }
+  }
+  EXPECT_EQ(cases, 4 * 5 * 3 * 6 * 3);
+}
+
 }  // namespace
 }  // namespace shardmuon
