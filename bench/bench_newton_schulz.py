@@ -371,6 +371,8 @@ def main():
     parser.add_argument("--tag", default="", help="appended to the table's file name")
     parser.add_argument("--out", default=os.environ.get("OUT", "out/bench"))
     args = parser.parse_args()
+    if args.start == "queued" and not hasattr(torch.cuda, "_sleep"):
+        parser.error("--start queued needs torch.cuda._sleep, which this PyTorch lacks")
 
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     world = int(os.environ.get("WORLD_SIZE", "1"))
