@@ -372,7 +372,11 @@ void tile_products(Backend& backend, const SymmetricTiles& tiles, int first, int
       const int64_t m = tiles.width(i), n = tiles.width(j);
       auto shape = std::find_if(shapes.begin(), shapes.end(),
                                 [&](const Shape& x) { return x.m == m && x.n == n; });
-      if (shape == shapes.end()) shape = shapes.insert(shapes.end(), Shape{m, n, {}});
+      if (shape == shapes.end()) {
+        shape = shapes.insert(shapes.end(), Shape{m, n, {}});
+        // Room for every tile left (hundreds at n = 4096: 528), grown once.
+        shape->products.reserve((tiles.blocks() - j) * (tiles.blocks() - j + 1) / 2);
+      }
       shape->products.push_back(operands(i, j));
     }
   }

@@ -253,50 +253,56 @@ void CublasLtGemm::run_list(const GemmCall& call, cudaStream_t stream) {
   const int64_t per_launch =
       std::min<int64_t>(PointerArraySource::kMaxProducts, kPointerCapacity / call.batch);
   // beta == 0 must not read C: its pointers are D's.
-  const int64_t stride_c = call.beta == 0.0 ? call.stride_d : call.stride_c;
+  const bool c_is_d = call.beta == 0.0;
+  const int64_t stride_c = c_is_d ? call.stride_d : call.stride_c;
   const int64_t strides[4] = {
       call.stride_a * static_cast<int64_t>(ab), call.stride_b * static_cast<int64_t>(ab),
       stride_c * static_cast<int64_t>(cd), call.stride_d * static_cast<int64_t>(cd)};
   for (int64_t first = 0; first < call.product_count; first += per_launch) {
     const int64_t count = std::min(per_launch, call.product_count - first);
-    PointerArraySource source{};
-    source.products = static_cast<int>(count);
-    source.batch = call.batch;
-    int64_t alignment[4] = {256, 256, 256, 256};
+    const GemmOperands* products = call.products + first;
+    // Each operand's alignment, the lowest over the launch's matrices: that of the OR of their
+    // addresses (its lowest set bit is the lowest of theirs), the strides included when the
+    // matrices are strided. One pass of ORs, since a list may hold hundreds of products (528
+    // tiles at n = 4096) whose host-side bookkeeping is paid at every launch.
+    uint64_t bits[4] = {0, 0, 0, 0};
     for (int64_t p = 0; p < count; ++p) {
-      const GemmOperands& product = call.products[first + p];
-      const void* operands[4] = {product.a, product.b, call.beta == 0.0 ? product.d : product.c,
-                                 product.d};
-      for (int i = 0; i < 4; ++i) {
-        source.operands[i][p] = static_cast<const char*>(operands[i]);
-        alignment[i] = std::min(alignment[i], alignment_of(operands[i]));
-      }
+      bits[0] |= reinterpret_cast<uintptr_t>(products[p].a);
+      bits[1] |= reinterpret_cast<uintptr_t>(products[p].b);
+      bits[2] |= reinterpret_cast<uintptr_t>(c_is_d ? products[p].d : products[p].c);
+      bits[3] |= reinterpret_cast<uintptr_t>(products[p].d);
     }
+    int64_t alignment[4];
     for (int i = 0; i < 4; ++i) {
-      source.stride_bytes[i] = strides[i];
-      // The strided matrices must keep the alignment the plan is made for.
-      if (call.batch > 1) alignment[i] = std::min(alignment[i], alignment_of_offset(strides[i]));
+      if (call.batch > 1) bits[i] |= static_cast<uint64_t>(strides[i]);
+      alignment[i] = alignment_of_offset(static_cast<int64_t>(bits[i]));
     }
     GemmCall launch = call;
     launch.batch = count * call.batch;
     const Plan& plan =
         plan_for(launch, true, alignment[0], alignment[1], std::min(alignment[2], alignment[3]));
     void** arrays[4];
-    pointer_arrays_for(source, stream, arrays);
+    pointer_arrays_for(products, count, call.batch, strides, c_is_d, stream, arrays);
     run_plan(plan, launch, arrays[0], arrays[1], arrays[2], arrays[3], stream);
   }
 }
 
-void CublasLtGemm::pointer_arrays_for(const PointerArraySource& source, cudaStream_t stream,
+void CublasLtGemm::pointer_arrays_for(const GemmOperands* products, int64_t count, int64_t batch,
+                                      const int64_t (&strides)[4], bool c_is_d, cudaStream_t stream,
                                       void** arrays[4]) {
-  const int64_t entries = source.products * source.batch;
-  std::vector<int64_t> key = {source.batch, source.stride_bytes[0], source.stride_bytes[1],
-                              source.stride_bytes[2], source.stride_bytes[3]};
-  for (int i = 0; i < 4; ++i) {
-    for (int p = 0; p < source.products; ++p) {
-      key.push_back(static_cast<int64_t>(reinterpret_cast<uintptr_t>(source.operands[i][p])));
-    }
+  const int64_t entries = count * batch;
+  // The key in a buffer kept between launches: no allocation once it has grown.
+  std::vector<int64_t>& key = key_scratch_;
+  key.assign({batch, strides[0], strides[1], strides[2], strides[3]});
+  const auto address = [](const void* pointer) {
+    return static_cast<int64_t>(reinterpret_cast<uintptr_t>(pointer));
+  };
+  for (int64_t p = 0; p < count; ++p) key.push_back(address(products[p].a));
+  for (int64_t p = 0; p < count; ++p) key.push_back(address(products[p].b));
+  for (int64_t p = 0; p < count; ++p) {
+    key.push_back(address(c_is_d ? products[p].d : products[p].c));
   }
+  for (int64_t p = 0; p < count; ++p) key.push_back(address(products[p].d));
   void** const kept_base = static_cast<void**>(kept_arrays_.get());
   const auto kept = kept_offsets_.find(key);
   if (kept != kept_offsets_.end()) {  // filled by an earlier call
@@ -313,10 +319,19 @@ void CublasLtGemm::pointer_arrays_for(const PointerArraySource& source, cudaStre
   void** const base = keep ? kept_base : static_cast<void**>(pointer_arrays_.get());
   const int64_t capacity = keep ? kKeptCapacity : kPointerCapacity, offset = keep ? kept_used_ : 0;
   for (int i = 0; i < 4; ++i) arrays[i] = base + i * capacity + offset;
+  PointerArraySource source{};
+  source.products = static_cast<int>(count);
+  source.batch = batch;
+  for (int64_t p = 0; p < count; ++p) {
+    const void* operands[4] = {products[p].a, products[p].b, c_is_d ? products[p].d : products[p].c,
+                               products[p].d};
+    for (int i = 0; i < 4; ++i) source.operands[i][p] = static_cast<const char*>(operands[i]);
+  }
+  for (int i = 0; i < 4; ++i) source.stride_bytes[i] = strides[i];
   fill_pointer_arrays_cuda(source, arrays, stream);
   // Registered only once the fill is enqueued: a launch that failed must not be reused.
   if (keep) {
-    kept_offsets_.emplace(std::move(key), kept_used_);
+    kept_offsets_.emplace(key, kept_used_);
     kept_used_ += entries;
   }
 }

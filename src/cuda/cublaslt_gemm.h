@@ -43,8 +43,12 @@ class CublasLtGemm {
   // A call with a list of products: pointer arrays filled on the stream, as few launches as
   // the arrays' capacity allows.
   void run_list(const GemmCall& call, cudaStream_t stream);
-  // Where the pointer arrays of one launch lie (a, b, c, d), filled there if they must be.
-  void pointer_arrays_for(const PointerArraySource& source, cudaStream_t stream, void** arrays[4]);
+  // Where the pointer arrays of one launch lie (a, b, c, d), filled there if they must be: the
+  // products' operands (C's read from D where c_is_d), each a strided batch of `batch`
+  // matrices `strides` bytes apart.
+  void pointer_arrays_for(const GemmOperands* products, int64_t count, int64_t batch,
+                          const int64_t (&strides)[4], bool c_is_d, cudaStream_t stream,
+                          void** arrays[4]);
 
   cublasLtHandle_t handle_ = nullptr;
   UniqueDeviceMemory workspace_;
@@ -58,12 +62,13 @@ class CublasLtGemm {
   // launch had finds its arrays filled already, and skips the fill (a kernel and the gap after
   // it, about 3 us on an H200; ten per 4096^2 Newton-Schulz). Entries are written once and never
   // again, so a captured graph may read them too; once kKeptCapacity entries per operand are
-  // used, new lists are filled into the arrays above at every launch. Keyed by the source's
+  // used, new lists are filled into the arrays above at every launch. Keyed by the launch's
   // batch, strides and operand pointers.
   static constexpr int64_t kKeptCapacity = 65536;
   UniqueDeviceMemory kept_arrays_;
   int64_t kept_used_ = 0;
   std::map<std::vector<int64_t>, int64_t> kept_offsets_;
+  std::vector<int64_t> key_scratch_;  // a launch's key into kept_offsets_
   std::map<PlanKey, std::unique_ptr<Plan>> plans_;
 };
 

@@ -100,18 +100,45 @@ __global__ void divide_by_norm_padded_kernel(const T* x, int64_t rows, int64_t c
 // The sums of squares of a batch of vectors in two passes, each in a fixed order (the same
 // result every run): block (chunk, b) sums a chunk of vector b into partials[b][chunk], then
 // one block per vector sums its partials. Several blocks per vector keep every SM busy when
-// the batch is a few large matrices.
+// the batch is a few large matrices. A chunk's elements between its first and last 16-byte
+// boundaries are loaded 16 bytes at a time, the few before and after singly (a vector of a
+// batch, and a chunk, may start at any element): with 2-byte bf16 loads the pass read 3001 x
+// 10007 at about 2.4 TB/s on an H200.
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     chunk_sum_of_squares_kernel(const T* x, int64_t count, int64_t chunk_length, float* partials) {
   using Reduce = cub::BlockReduce<float, kThreads>;
   __shared__ typename Reduce::TempStorage storage;
+  constexpr int kWidth = sizeof(uint4) / sizeof(T);
   const T* vector = x + blockIdx.y * count;
   const int64_t begin = blockIdx.x * chunk_length;
   const int64_t end = begin + chunk_length < count ? begin + chunk_length : count;
+  const int64_t length = end > begin ? end - begin : 0;
+  // Elements before the first 16-byte boundary (x is aligned to its element), then the body.
+  const uintptr_t misalignment = reinterpret_cast<uintptr_t>(vector + begin) % sizeof(uint4);
+  const int64_t to_boundary = misalignment == 0 ? 0 : (sizeof(uint4) - misalignment) / sizeof(T);
+  const int64_t head = to_boundary < length ? to_boundary : length;
+  const int64_t vectors = (length - head) / kWidth;
+  const int64_t tail_begin = begin + head + vectors * kWidth;
+  const uint4* body = reinterpret_cast<const uint4*>(vector + begin + head);
   float partial = 0.0f;
-  for (int64_t i = begin + threadIdx.x; i < end; i += kThreads) {
-    const float value = to_float(vector[i]);
+#pragma unroll 4
+  for (int64_t v = threadIdx.x; v < vectors; v += kThreads) {
+    const uint4 loaded = body[v];
+    const T* values = reinterpret_cast<const T*>(&loaded);
+#pragma unroll
+    for (int j = 0; j < kWidth; ++j) {
+      const float value = to_float(values[j]);
+      partial += value * value;
+    }
+  }
+  // The head and the tail, each shorter than a vector, one element per thread.
+  if (threadIdx.x < head) {
+    const float value = to_float(vector[begin + threadIdx.x]);
+    partial += value * value;
+  }
+  if (tail_begin + threadIdx.x < end) {
+    const float value = to_float(vector[tail_begin + threadIdx.x]);
     partial += value * value;
   }
   const float sum = Reduce(storage).Sum(partial);
