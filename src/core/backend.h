@@ -9,6 +9,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -175,6 +176,18 @@ class Backend {
   // will find it: it never moves again.
   virtual bool is_capturing(Stream /*stream*/) const { return false; }
   virtual void pin_workspace() {}
+
+  // Enqueues on `stream` the work that enqueue(s) enqueues on the stream s it is given, which
+  // the backend may do by replaying a recording of an earlier call with the same key (the CUDA
+  // backend: a CUDA graph, so that the host launches it at once). The key must tell apart any
+  // two calls whose work differs: its arguments, the memory it touches, the settings it reads.
+  // enqueue must not synchronize or allocate. By default it just runs.
+  virtual void run_recorded(const std::vector<int64_t>& /*key*/, Stream stream,
+                            const std::function<void(Stream)>& enqueue) {
+    enqueue(stream);
+  }
+  // How many calls of run_recorded replayed a recording (for tests).
+  virtual int64_t replayed_recordings() const { return 0; }
 
   // Throws INVALID_ARGUMENT (naming `name`) if ptr is not memory this backend computes on.
   virtual void check_pointer(const void* ptr, const char* name) const = 0;

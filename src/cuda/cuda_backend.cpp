@@ -6,6 +6,9 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <iterator>
+#include <map>
+#include <string>
 #include <vector>
 
 #include "core/dtype.h"
@@ -75,6 +78,13 @@ class CudaBackend final : public Backend {
                           device_sms_, "), not '", text, "'");
       communication_sms_ = static_cast<int>(value);
     }
+    // $SHARDMUON_NS_GRAPHS=0 turns the recordings of run_recorded off (for comparing, bench/).
+    if (const char* text = std::getenv("SHARDMUON_NS_GRAPHS")) {
+      SHARDMUON_CHECK_ARG(std::string(text) == "0" || std::string(text) == "1",
+                          "SHARDMUON_NS_GRAPHS must be 0 or 1, not '", text, "'");
+      record_graphs_ = std::string(text) == "1";
+    }
+    capture_stream_ = make_nonblocking_stream();
     SHARDMUON_CUDA(zero_and_wait(status_.get(), kStatusBytes));
   }
 
@@ -112,6 +122,40 @@ class CudaBackend final : public Backend {
   }
 
   void pin_workspace() override { workspace_pinned_ = true; }
+
+  // A key's first call runs as it is: it makes the GEMM plans and fills the pointer arrays
+  // that a recording then only reads. Its second is captured (on a stream of the backend's own,
+  // since the caller's may be the legacy default stream, which cannot be), instantiated and
+  // launched; later ones launch that graph: one launch on the host where a 4096^2 call made 28.
+  // A call inside the caller's own capture runs as it is, into that capture. Where recording
+  // fails, the key's calls run as they are.
+  void run_recorded(const std::vector<int64_t>& key, Stream stream,
+                    const std::function<void(Stream)>& enqueue) override {
+    if (!record_graphs_ || capturing_call_) {
+      enqueue(stream);
+      return;
+    }
+    auto found = recordings_.find(key);
+    if (found == recordings_.end()) {
+      if (recordings_.size() >= kMaxRecordings) forget_unrecorded_keys();
+      if (recordings_.size() < kMaxRecordings) recordings_.emplace(key, Recording{});
+      enqueue(stream);
+      return;
+    }
+    Recording& recording = found->second;
+    if (!recording.graph && !recording.failed) {
+      recording.graph = record(enqueue);
+      recording.failed = !recording.graph;
+    }
+    if (recording.failed) {
+      enqueue(stream);
+      return;
+    }
+    SHARDMUON_CUDA(cudaGraphLaunch(recording.graph.get(), as_cuda(stream)));
+    ++replayed_recordings_;
+  }
+
+  int64_t replayed_recordings() const override { return replayed_recordings_; }
 
   bool is_capturing(Stream stream) const override {
     cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
@@ -306,6 +350,42 @@ class CudaBackend final : public Backend {
   }
 
  private:
+  struct Recording {
+    UniqueGraphExec graph;  // null until the key's second call
+    bool failed = false;    // the capture or the instantiation failed: run as it is
+  };
+  // Keys seen once or recorded; past kMaxRecordings, keys seen once are forgotten first, then
+  // new keys run as they are.
+  static constexpr size_t kMaxRecordings = 1024;
+
+  // The work of enqueue as an instantiated graph, or null where it could not be captured.
+  UniqueGraphExec record(const std::function<void(Stream)>& enqueue) {
+    cudaStream_t capture = capture_stream_.get();
+    SHARDMUON_CUDA(cudaStreamBeginCapture(capture, cudaStreamCaptureModeThreadLocal));
+    bool enqueued = true;
+    try {
+      enqueue(capture);
+    } catch (...) {  // the call then runs as it is, and reports its error itself
+      enqueued = false;
+    }
+    cudaGraph_t captured = nullptr;
+    const cudaError_t ended = cudaStreamEndCapture(capture, &captured);
+    const UniqueGraph graph(captured);
+    cudaGraphExec_t exec = nullptr;
+    if (!enqueued || ended != cudaSuccess || captured == nullptr ||
+        cudaGraphInstantiate(&exec, captured, 0) != cudaSuccess) {
+      cudaGetLastError();  // a capture's errors are not the call's
+      return nullptr;
+    }
+    return UniqueGraphExec(exec);
+  }
+
+  void forget_unrecorded_keys() {
+    for (auto it = recordings_.begin(); it != recordings_.end();) {
+      it = !it->second.graph && !it->second.failed ? recordings_.erase(it) : std::next(it);
+    }
+  }
+
   int device_ = 0;
   int caller_device_ = 0;
   std::unique_ptr<CublasLtGemm> gemm_;
@@ -331,6 +411,10 @@ class CudaBackend final : public Backend {
   size_t workspace_bytes_ = 0;
   bool capturing_call_ = false;    // the current call is being captured into a CUDA graph
   bool workspace_pinned_ = false;  // a captured graph uses the workspace: it never moves
+  bool record_graphs_ = true;
+  UniqueStream capture_stream_;
+  std::map<std::vector<int64_t>, Recording> recordings_;
+  int64_t replayed_recordings_ = 0;
 };
 
 }  // namespace

@@ -21,6 +21,16 @@ struct EventDeleter {
 };
 using UniqueEvent = std::unique_ptr<CUevent_st, EventDeleter>;
 
+struct GraphDeleter {
+  void operator()(cudaGraph_t graph) const { cudaGraphDestroy(graph); }
+};
+using UniqueGraph = std::unique_ptr<CUgraph_st, GraphDeleter>;
+
+struct GraphExecDeleter {
+  void operator()(cudaGraphExec_t exec) const { cudaGraphExecDestroy(exec); }
+};
+using UniqueGraphExec = std::unique_ptr<CUgraphExec_st, GraphExecDeleter>;
+
 struct DeviceMemoryDeleter {
   void operator()(void* pointer) const { cudaFree(pointer); }
 };
