@@ -931,6 +931,49 @@ struct Scratch {
   char* at(size_t slot) const { return static_cast<char*>(carver.pointer(slot)); }
 };
 
+// What the work of iterate_on_block without a group depends on (Backend::run_recorded): the
+// problem, the block widths and padding the backend chooses, and where the matrix and the
+// iteration's buffers lie (IterationSlots::reserve lays them out from x[0] on, by the rest).
+std::vector<int64_t> local_iteration_key(const Backend& backend, const NsProblem& problem,
+                                         const void* data, const IterationBuffers& buffers) {
+  const auto bits = [](double value) {
+    int64_t integer = 0;
+    std::memcpy(&integer, &value, sizeof integer);
+    return integer;
+  };
+  const auto address = [](const void* pointer) {
+    return static_cast<int64_t>(reinterpret_cast<uintptr_t>(pointer));
+  };
+  const ShardLayout& layout = problem.layout;
+  std::vector<int64_t> key = {problem.dtype,
+                              layout.rows(),
+                              layout.cols(),
+                              layout.long_dim(),
+                              static_cast<int64_t>(problem.plan.algorithm),
+                              static_cast<int64_t>(problem.plan.iteration),
+                              problem.batch,
+                              bits(problem.eps),
+                              backend.symmetric_block_target(),
+                              backend.short_side_multiple(),
+                              address(data),
+                              address(buffers.x[0])};
+  for (const Coefficients& step : problem.coefficients) {
+    key.insert(key.end(), {bits(step.a), bits(step.b), bits(step.c)});
+  }
+  return key;
+}
+
+// iterate_on_block on one rank without a group (a local plan, or (a) on its gathered matrix),
+// its launches recorded and replayed by the backend (Backend::run_recorded).
+void iterate_on_block_alone(Backend& backend, const NsProblem& problem, const Scratch& scratch,
+                            void* data, Stream stream) {
+  const IterationBuffers buffers = scratch.iteration.resolve(scratch.carver);
+  backend.run_recorded(
+      local_iteration_key(backend, problem, data, buffers), stream, [&](Stream recorded) {
+        iterate_on_block(backend, nullptr, problem, scratch.block, data, buffers, recorded);
+      });
+}
+
 // (a): gather the whole matrix on every rank, iterate, keep the own shard.
 void run_duplicated(Backend& backend, Communicator& comm, const NsProblem& problem,
                     const Scratch& scratch, void* local_shard, Stream stream) {
@@ -965,8 +1008,7 @@ void run_duplicated(Backend& backend, Communicator& comm, const NsProblem& probl
     }
   }
 
-  iterate_on_block(backend, nullptr, problem, scratch.block, matrix,
-                   scratch.iteration.resolve(scratch.carver), stream);
+  iterate_on_block_alone(backend, problem, scratch, matrix, stream);
 
   if (sizes[rank] == 0) return;
   if (contiguous) {
@@ -1144,41 +1186,6 @@ size_t newton_schulz_workspace_bytes(const Backend& backend, const NsProblem& pr
   return Scratch::lay_out(backend, problem, rank, ranks).carver.total_bytes();
 }
 
-namespace {
-
-// What a local plan's work depends on (Backend::run_recorded): the problem, the block widths and
-// padding the backend chooses, and where the matrix and the scratch lie (the scratch's layout
-// follows from the rest).
-std::vector<int64_t> local_iteration_key(const Backend& backend, const NsProblem& problem,
-                                         const void* data, const void* scratch) {
-  const auto bits = [](double value) {
-    int64_t integer = 0;
-    std::memcpy(&integer, &value, sizeof integer);
-    return integer;
-  };
-  const auto address = [](const void* pointer) {
-    return static_cast<int64_t>(reinterpret_cast<uintptr_t>(pointer));
-  };
-  const ShardLayout& layout = problem.layout;
-  std::vector<int64_t> key = {problem.dtype,
-                              layout.rows(),
-                              layout.cols(),
-                              layout.long_dim(),
-                              static_cast<int64_t>(problem.plan.iteration),
-                              problem.batch,
-                              bits(problem.eps),
-                              backend.symmetric_block_target(),
-                              backend.short_side_multiple(),
-                              address(data),
-                              address(scratch)};
-  for (const Coefficients& step : problem.coefficients) {
-    key.insert(key.end(), {bits(step.a), bits(step.b), bits(step.c)});
-  }
-  return key;
-}
-
-}  // namespace
-
 void run_newton_schulz(Backend& backend, Communicator& comm, const NsProblem& problem,
                        void* local_shard, Stream stream, size_t workspace_offset) {
   if (problem.batch < 1 || problem.batch > kMaxNsBatch ||
@@ -1191,16 +1198,9 @@ void run_newton_schulz(Backend& backend, Communicator& comm, const NsProblem& pr
       backend.workspace(workspace_offset + scratch.carver.total_bytes(), stream));
   scratch.carver.bind(base + workspace_offset);
   switch (problem.plan.algorithm) {
-    case NsPlan::Algorithm::kLocal: {
-      const IterationBuffers buffers = scratch.iteration.resolve(scratch.carver);
-      backend.run_recorded(
-          local_iteration_key(backend, problem, local_shard, base + workspace_offset), stream,
-          [&](Stream recorded) {
-            iterate_on_block(backend, nullptr, problem, scratch.block, local_shard, buffers,
-                             recorded);
-          });
+    case NsPlan::Algorithm::kLocal:
+      iterate_on_block_alone(backend, problem, scratch, local_shard, stream);
       return;
-    }
     case NsPlan::Algorithm::kDuplicated:
       run_duplicated(backend, comm, problem, scratch, local_shard, stream);
       return;
