@@ -210,7 +210,12 @@ SHARDMUON_API shardmuon_status shardmuon_schedule_coefficients(shardmuon_schedul
 
 /* A context owns the compute resources of one backend: for CUDA, the device, a cuBLASLt
  * handle and a workspace that grows to the largest call and never shrinks. A context may be
- * used from one host thread at a time. */
+ * used from one host thread at a time. The CUDA backend records the work of a matrix's
+ * Newton-Schulz iteration on one rank (a local plan, or the duplicated algorithm after its
+ * all-gather) into a CUDA graph the second time it meets the same problem on the same memory,
+ * and from then on launches that graph: the same kernels, one launch for the host. Calls
+ * inside a caller's own capture are not recorded; the environment variable
+ * SHARDMUON_NS_GRAPHS=0, read when the context is created, turns recording off. */
 typedef struct shardmuon_context_s* shardmuon_context_t;
 
 /* A communicator: the group of ranks that share the sharded matrices. */
