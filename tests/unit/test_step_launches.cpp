@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -16,6 +17,8 @@
 #include "comm/factories.h"
 #include "core/backend.h"
 #include "core/muon_step.h"
+#include "core/newton_schulz.h"
+#include "core/schedule.h"
 #include "cpu/cpu_backend.h"
 
 namespace shardmuon {
@@ -122,6 +125,13 @@ class CountingBackend final : public Backend {
   }
   void synchronize(Stream stream) override { inner_->synchronize(stream); }
   void wait_for_last_call() override { inner_->wait_for_last_call(); }
+  // The keys of the work the CUDA backend would record, in call order (run as it is here).
+  std::vector<std::vector<int64_t>> recording_keys;
+  void run_recorded(const std::vector<int64_t>& key, Stream stream,
+                    const std::function<void(Stream)>& enqueue) override {
+    recording_keys.push_back(key);
+    enqueue(stream);
+  }
 
  private:
   void count_passes(size_t count) {
@@ -266,11 +276,109 @@ TEST_P(StepLaunches, TheBatchBudgetSizesTheBatchesAndTheWorkspace) {
   EXPECT_LT(pairs.workspace, whole.workspace);
 }
 
+// A step's Newton-Schulz work is recorded by the CUDA backend under keys (run_recorded): the same
+// step again must ask for the same keys, or no later step would replay a recording; and two
+// problems of one step, each its own work, must not share one.
+TEST_P(StepLaunches, RepeatedStepsAskForTheSameRecordings) {
+  const auto [algorithm, policy] = GetParam();
+  const std::vector<int64_t> shapes[] = {{48, 144}, {48, 48}, {48, 192}, {192, 48}, {48, 48}};
+  std::vector<std::vector<float>> buffers;
+  std::vector<shardmuon_muon_param> params;
+  for (const auto& shape : shapes) {
+    const size_t elements = static_cast<size_t>(shape[0] * shape[1]);
+    shardmuon_muon_param param{};
+    for (int b = 0; b < 3; ++b) buffers.emplace_back(elements, 0.25f * static_cast<float>(b + 1));
+    param.param = buffers[buffers.size() - 3].data();
+    param.grad = buffers[buffers.size() - 2].data();
+    param.momentum = buffers[buffers.size() - 1].data();
+    param.dtype = SHARDMUON_FLOAT32;
+    param.layout = {shape[0], shape[1], SHARDMUON_REPLICATED, 1, nullptr};
+    params.push_back(param);
+  }
+  shardmuon_muon_group group;
+  ASSERT_EQ(shardmuon_muon_group_default(&group), SHARDMUON_SUCCESS);
+  group.ns.algorithm = algorithm;
+  CountingBackend backend;
+  const std::unique_ptr<Communicator> comm = make_self_communicator();
+  const ValidatedMuonStep step =
+      validate_muon_step(backend, *comm, params.data(), static_cast<int>(params.size()), &group, 1);
+  const StepSettings settings{policy, kDefaultNsBatchBytes};
+  backend.workspace(muon_step_workspace_bytes(backend, step, 0, 1, settings), nullptr);
+  run_muon_step(backend, *comm, step, nullptr, settings);
+  const std::vector<std::vector<int64_t>> first = backend.recording_keys;
+  backend.recording_keys.clear();
+  run_muon_step(backend, *comm, step, nullptr, settings);
+  // Four problems: the two 48 x 48 matrices share a batch.
+  EXPECT_EQ(first.size(), 4u);
+  EXPECT_EQ(backend.recording_keys, first);
+  for (size_t i = 0; i < first.size(); ++i) {
+    for (size_t j = 0; j < i; ++j) EXPECT_NE(first[i], first[j]) << i << " and " << j;
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(
     AlgorithmsAndPolicies, StepLaunches,
     ::testing::Combine(::testing::Values(SHARDMUON_NS_AUTO, SHARDMUON_NS_DUPLICATED,
                                          SHARDMUON_NS_OWNER),
                        ::testing::Values(SHARDMUON_NONFINITE_PROCEED, SHARDMUON_NONFINITE_SKIP)));
+
+// The key of a local Newton-Schulz call tells apart every argument its launches depend on, and
+// only those: the same call gives the same key, and changing any one of them another.
+TEST(RecordingKeys, EveryArgumentOfALocalCallIsInItsKey) {
+  struct Call {
+    shardmuon_dtype dtype = SHARDMUON_FLOAT32;
+    int64_t rows = 40, cols = 72, batch = 1;
+    double eps = 1e-7;
+    shardmuon_schedule schedule = SHARDMUON_SCHEDULE_QUINTIC;
+    int iterations = 5;
+    shardmuon_ns_algorithm algorithm = SHARDMUON_NS_AUTO;
+    int buffer = 0;
+  };
+  std::vector<std::vector<double>> buffers(2, std::vector<double>(2 * 72 * 72, 0.5));
+  CountingBackend backend;
+  const std::unique_ptr<Communicator> comm = make_self_communicator();
+  const auto problem_of = [](const Call& call) {
+    shardmuon_ns_options options;
+    EXPECT_EQ(shardmuon_ns_options_default(&options), SHARDMUON_SUCCESS);
+    options.eps = call.eps;
+    options.schedule = call.schedule;
+    options.num_iterations = call.iterations;
+    options.algorithm = call.algorithm;
+    const ShardLayout layout =
+        ShardLayout::from_api({call.rows, call.cols, SHARDMUON_REPLICATED, 1, nullptr}, 1);
+    NsProblem problem{call.dtype, layout, coefficients_for(options), call.eps,
+                      plan_newton_schulz(layout, 1, options)};
+    problem.batch = call.batch;
+    return problem;
+  };
+  const auto key_of = [&](const Call& call) {
+    backend.recording_keys.clear();
+    run_newton_schulz(backend, *comm, problem_of(call), buffers[call.buffer].data(), nullptr);
+    EXPECT_EQ(backend.recording_keys.size(), 1u);
+    return backend.recording_keys.empty() ? std::vector<int64_t>{} : backend.recording_keys[0];
+  };
+  const Call base;
+  std::vector<Call> changed(9, base);
+  changed[0].dtype = SHARDMUON_FLOAT64;
+  changed[1].rows = 72;
+  changed[1].cols = 40;
+  changed[2].cols = 64;
+  changed[3].batch = 2;
+  changed[4].eps = 1e-6;
+  changed[5].schedule = SHARDMUON_SCHEDULE_POLAR_EXPRESS;
+  changed[6].iterations = 4;
+  changed[7].algorithm = SHARDMUON_NS_GRAM_NEWTON_SCHULZ;
+  changed[8].buffer = 1;
+  // One workspace for all the calls, so that it never moves: only the arguments differ.
+  size_t workspace = 0;
+  for (const Call& call : changed) {
+    workspace = std::max(workspace, newton_schulz_workspace_bytes(backend, problem_of(call), 0, 1));
+  }
+  backend.workspace(workspace, nullptr);
+  const std::vector<int64_t> base_key = key_of(base);
+  for (size_t i = 0; i < changed.size(); ++i) EXPECT_NE(key_of(changed[i]), base_key) << i;
+  EXPECT_EQ(key_of(base), base_key);
+}
 
 }  // namespace
 }  // namespace shardmuon
