@@ -150,43 +150,58 @@ struct Counts {
   size_t smallest_matrix_scratch;  // of one matrix's Newton-Schulz, the least of its problems
 };
 
-Counts count_step(int layers, shardmuon_ns_algorithm algorithm, shardmuon_nonfinite_policy policy,
-                  bool stacked = false, size_t ns_batch_bytes = kDefaultNsBatchBytes) {
+// The buffers and parameters of a step: `layers` copies of `shapes` (rows, cols, row_blocks),
+// replicated on one rank, float32, each buffer filled with its own pattern.
+struct StepParams {
   struct Shape {
     int64_t rows, cols, row_blocks;
   };
+  std::vector<std::vector<float>> buffers;  // param, grad, momentum of each parameter
+  std::vector<shardmuon_muon_param> params;
+
+  StepParams(const std::vector<Shape>& shapes, int layers) {
+    for (int layer = 0; layer < layers; ++layer) {
+      for (const Shape& shape : shapes) {
+        const size_t elements = static_cast<size_t>(shape.rows * shape.cols);
+        shardmuon_muon_param param{};
+        for (int b = 0; b < 3; ++b) {
+          buffers.emplace_back(elements);
+          for (size_t i = 0; i < elements; ++i) {
+            buffers.back()[i] = static_cast<float>((i * 37 + b * 11 + layer) % 101) / 50.0f - 1.0f;
+          }
+        }
+        param.param = buffers[buffers.size() - 3].data();
+        param.grad = buffers[buffers.size() - 2].data();
+        param.momentum = buffers[buffers.size() - 1].data();
+        param.dtype = SHARDMUON_FLOAT32;
+        param.layout = {shape.rows, shape.cols, SHARDMUON_REPLICATED, 1, nullptr};
+        param.row_blocks = shape.row_blocks;
+        params.push_back(param);
+      }
+    }
+  }
+
+  // The step of these parameters, one group of the defaults but for `algorithm`.
+  ValidatedMuonStep validate(Backend& backend, Communicator& comm,
+                             shardmuon_ns_algorithm algorithm) const {
+    shardmuon_muon_group group;
+    EXPECT_EQ(shardmuon_muon_group_default(&group), SHARDMUON_SUCCESS);
+    group.ns.algorithm = algorithm;
+    return validate_muon_step(backend, comm, params.data(), static_cast<int>(params.size()), &group,
+                              1);
+  }
+};
+
+Counts count_step(int layers, shardmuon_ns_algorithm algorithm, shardmuon_nonfinite_policy policy,
+                  bool stacked = false, size_t ns_batch_bytes = kDefaultNsBatchBytes) {
+  using Shape = StepParams::Shape;
   const std::vector<Shape> shapes =
       stacked ? std::vector<Shape>{{4 * 32, 48, 4}, {6 * 16, 48, 6}}
               : std::vector<Shape>{{48, 144, 1}, {48, 48, 1}, {48, 192, 1}, {192, 48, 1}};
-  std::vector<std::vector<float>> buffers;  // param, grad, momentum of each parameter
-  std::vector<shardmuon_muon_param> params;
-  for (int layer = 0; layer < layers; ++layer) {
-    for (const Shape& shape : shapes) {
-      const size_t elements = static_cast<size_t>(shape.rows * shape.cols);
-      shardmuon_muon_param param{};
-      for (int b = 0; b < 3; ++b) {
-        buffers.emplace_back(elements);
-        for (size_t i = 0; i < elements; ++i) {
-          buffers.back()[i] = static_cast<float>((i * 37 + b * 11 + layer) % 101) / 50.0f - 1.0f;
-        }
-      }
-      param.param = buffers[buffers.size() - 3].data();
-      param.grad = buffers[buffers.size() - 2].data();
-      param.momentum = buffers[buffers.size() - 1].data();
-      param.dtype = SHARDMUON_FLOAT32;
-      param.layout = {shape.rows, shape.cols, SHARDMUON_REPLICATED, 1, nullptr};
-      param.row_blocks = shape.row_blocks;
-      params.push_back(param);
-    }
-  }
-  shardmuon_muon_group group;
-  EXPECT_EQ(shardmuon_muon_group_default(&group), SHARDMUON_SUCCESS);
-  group.ns.algorithm = algorithm;
-
+  const StepParams params(shapes, layers);
   CountingBackend backend;
   const std::unique_ptr<Communicator> comm = make_self_communicator();
-  const ValidatedMuonStep step =
-      validate_muon_step(backend, *comm, params.data(), static_cast<int>(params.size()), &group, 1);
+  const ValidatedMuonStep step = params.validate(backend, *comm, algorithm);
   const StepSettings settings{policy, ns_batch_bytes};
   size_t smallest = SIZE_MAX;
   for (const MuonParamPlan& plan : step.plans) {
@@ -281,27 +296,10 @@ TEST_P(StepLaunches, TheBatchBudgetSizesTheBatchesAndTheWorkspace) {
 // problems of one step, each its own work, must not share one.
 TEST_P(StepLaunches, RepeatedStepsAskForTheSameRecordings) {
   const auto [algorithm, policy] = GetParam();
-  const std::vector<int64_t> shapes[] = {{48, 144}, {48, 48}, {48, 192}, {192, 48}, {48, 48}};
-  std::vector<std::vector<float>> buffers;
-  std::vector<shardmuon_muon_param> params;
-  for (const auto& shape : shapes) {
-    const size_t elements = static_cast<size_t>(shape[0] * shape[1]);
-    shardmuon_muon_param param{};
-    for (int b = 0; b < 3; ++b) buffers.emplace_back(elements, 0.25f * static_cast<float>(b + 1));
-    param.param = buffers[buffers.size() - 3].data();
-    param.grad = buffers[buffers.size() - 2].data();
-    param.momentum = buffers[buffers.size() - 1].data();
-    param.dtype = SHARDMUON_FLOAT32;
-    param.layout = {shape[0], shape[1], SHARDMUON_REPLICATED, 1, nullptr};
-    params.push_back(param);
-  }
-  shardmuon_muon_group group;
-  ASSERT_EQ(shardmuon_muon_group_default(&group), SHARDMUON_SUCCESS);
-  group.ns.algorithm = algorithm;
+  const StepParams params({{48, 144, 1}, {48, 48, 1}, {48, 192, 1}, {192, 48, 1}, {48, 48, 1}}, 1);
   CountingBackend backend;
   const std::unique_ptr<Communicator> comm = make_self_communicator();
-  const ValidatedMuonStep step =
-      validate_muon_step(backend, *comm, params.data(), static_cast<int>(params.size()), &group, 1);
+  const ValidatedMuonStep step = params.validate(backend, *comm, algorithm);
   const StepSettings settings{policy, kDefaultNsBatchBytes};
   backend.workspace(muon_step_workspace_bytes(backend, step, 0, 1, settings), nullptr);
   run_muon_step(backend, *comm, step, nullptr, settings);
