@@ -6,34 +6,16 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
-#include <cstring>
 #include <limits>
 #include <string>
 #include <vector>
 
 #include "cuda/muon_kernels.cuh"
+#include "encoded.h"
 #include "gpu_available.h"
 
 namespace shardmuon {
 namespace {
-
-// The bytes of `values` in the dtype (bf16 by its upper 16 bits: every value used here is
-// exact in bf16).
-std::vector<unsigned char> encoded(const std::vector<float>& values, shardmuon_dtype dtype) {
-  const size_t element = dtype == SHARDMUON_BFLOAT16 ? 2 : 4;
-  std::vector<unsigned char> bytes(values.size() * element);
-  for (size_t i = 0; i < values.size(); ++i) {
-    uint32_t bits = 0;
-    std::memcpy(&bits, &values[i], 4);
-    if (dtype == SHARDMUON_BFLOAT16) {
-      const uint16_t upper = static_cast<uint16_t>(bits >> 16);
-      std::memcpy(bytes.data() + i * 2, &upper, 2);
-    } else {
-      std::memcpy(bytes.data() + i * 4, &bits, 4);
-    }
-  }
-  return bytes;
-}
 
 // The flag after checking `values`, placed `offset` elements into a fresh allocation.
 float flag_of(const std::vector<float>& values, shardmuon_dtype dtype, size_t offset) {

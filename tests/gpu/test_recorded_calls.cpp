@@ -9,12 +9,12 @@
 
 #include <cstdint>
 #include <cstdlib>
-#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "api/handles.h"
+#include "encoded.h"
 #include "gpu_available.h"
 #include "shardmuon/shardmuon.h"
 
@@ -31,17 +31,12 @@ std::string name_of(const Case& c) {
          (c.dtype == SHARDMUON_BFLOAT16 ? " bf16" : " float32");
 }
 
-// Random values in the case's dtype (bf16 as the upper half of float32's bits).
+// Random values in the case's dtype.
 std::vector<unsigned char> random_matrix(const Case& c, std::mt19937& random) {
-  const size_t element = c.dtype == SHARDMUON_BFLOAT16 ? 2 : 4;
   std::normal_distribution<float> normal;
-  std::vector<unsigned char> bytes(c.rows * c.cols * element);
-  for (int64_t i = 0; i < c.rows * c.cols; ++i) {
-    const float value = normal(random);
-    std::memcpy(bytes.data() + i * element,
-                reinterpret_cast<const unsigned char*>(&value) + (4 - element), element);
-  }
-  return bytes;
+  std::vector<float> values(c.rows * c.cols);
+  for (float& value : values) value = normal(random);
+  return encoded(values, c.dtype);
 }
 
 class Context {

@@ -8,12 +8,12 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
-#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "cuda/elementwise.cuh"
+#include "encoded.h"
 #include "gpu_available.h"
 
 namespace shardmuon {
@@ -34,21 +34,14 @@ Sums sums_of(shardmuon_dtype dtype, int64_t count, int64_t batch, int64_t offset
   const int largest = total * 9 < (int64_t{1} << 24) ? 3 : 1;
   EXPECT_LT(total * largest * largest, int64_t{1} << 24);
   std::uniform_int_distribution<int> value_of(-largest, largest);
-  std::vector<unsigned char> bytes(total * element);
+  std::vector<float> values(total);
   Sums sums;
   sums.host.assign(batch, 0.0);
   for (int64_t i = 0; i < total; ++i) {
-    const float value = static_cast<float>(value_of(random));
-    sums.host[i / count] += double{value} * value;
-    uint32_t bits = 0;
-    std::memcpy(&bits, &value, 4);
-    if (dtype == SHARDMUON_BFLOAT16) {
-      const uint16_t upper = static_cast<uint16_t>(bits >> 16);  // exact: a small integer
-      std::memcpy(bytes.data() + i * 2, &upper, 2);
-    } else {
-      std::memcpy(bytes.data() + i * 4, &bits, 4);
-    }
+    values[i] = static_cast<float>(value_of(random));  // a small integer, exact in bf16
+    sums.host[i / count] += double{values[i]} * values[i];
   }
+  const std::vector<unsigned char> bytes = encoded(values, dtype);
   const size_t scratch_bytes = sum_of_squares_scratch_bytes_cuda(dtype, count, batch);
   void *buffer = nullptr, *scratch = nullptr, *result = nullptr;
   EXPECT_EQ(cudaMalloc(&buffer, bytes.size() + offset * element), cudaSuccess);
