@@ -377,7 +377,9 @@ def main():
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    # Ranks may share a GPU (scripts/rank_host_id.sh): a check of this script's multi-rank
+    # rows on one GPU, whose times then mean nothing.
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
     if world > 1:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks, for the lent H200 machines (CI has no GPU): builds with CUDA and NCCL, runs
-# the distributed tests with --backend=cuda on 1 and on 2 GPUs (every case against the
-# float64 CPU oracle), then times the example. Logs go to $OUT (or ./gpu-logs).
+# the distributed tests with --backend=cuda on 1 and 2 ranks (one GPU each, or two sharing the
+# one GPU; every case against the float64 CPU oracle), then times the example. Logs go to
+# $OUT (or ./gpu-logs).
 set -uo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
@@ -17,6 +18,14 @@ what="${1:-all}"  # all | tests | callbacks | torch | final | timeout | speed | 
 gpus=$(nvidia-smi -L | wc -l)
 nvidia-smi -L
 echo "gpus: $gpus"
+# Where one GPU is lent, the 2-rank runs share it over NCCL (scripts/rank_host_id.sh: a host
+# id of its own per rank, so that NCCL connects them over loopback sockets): every NCCL path
+# runs, though not over NVLink, and its timings mean nothing.
+shared=() torchrun_shared=()
+if [[ $gpus -lt 2 ]]; then
+  shared=("$root/scripts/rank_host_id.sh")
+  torchrun_shared=(--no-python "$root/scripts/rank_host_id.sh" python3)
+fi
 
 build=build-gpu
 # Header-only dependencies the GPU image may lack can be carried in .deps/include.
@@ -70,19 +79,21 @@ front_end_pytest() {
     python3 -m pytest -q -p no:cacheprovider python/tests/test_dtensor.py python/tests/test_muon.py \
     python/tests/test_dtensor_placements.py >"$out/pytest_torch2.log" 2>&1
 }
-# The CUDA tests on 1 and (where the machine has them) 2 GPUs, one MPI rank per GPU, with a gtest
-# filter; logs <name>_npN.log.
+# The CUDA tests on 1 and 2 ranks over NCCL, one rank per GPU (two sharing one where one GPU is
+# lent), with a gtest filter; logs <name>_npN.log.
 cuda_tests() {
-  local name=$1 filter=$2 ranks log rc
-  for ranks in 1 $([[ $gpus -ge 2 ]] && echo 2); do
+  local name=$1 filter=$2 ranks log rc wrap
+  for ranks in 1 2; do
     log="$out/${name}_np$ranks.log"
+    wrap=()
+    [[ $ranks -gt $gpus ]] && wrap=("${shared[@]}")
     # The multi-block case computes float64 oracles of side 2085 on the CPU, through OpenBLAS
     # with the rank's share of the cores (10 s each on one core of the 2-core CI machine).
-    OPENBLAS_NUM_THREADS=$(( $(nproc) / ranks )) bounded 400 "${mpi[@]}" -np $ranks \
+    OPENBLAS_NUM_THREADS=$(( $(nproc) / ranks )) bounded 400 "${mpi[@]}" -np $ranks "${wrap[@]}" \
       $build/tests/shardmuon_tests --backend=cuda --gtest_brief=1 --gtest_filter="$filter" >"$log" 2>&1
     rc=$?
     grep -E "^\[rank|Failure|FAILED" "$log" | head -20
-    results+=("$name on $ranks GPU(s): rc=$rc $(grep -E 'PASSED|FAILED  \]|SKIPPED \]' "$log" | sed 's/\x1b\[[0-9;]*m//g' | tr '\n' ' ')")
+    results+=("$name on $ranks rank(s), $gpus GPU(s), NCCL: rc=$rc $(grep -E 'PASSED|FAILED  \]|SKIPPED \]' "$log" | sed 's/\x1b\[[0-9;]*m//g' | tr '\n' ' ')")
     if grep -q 'ratio=' "$log"; then
       results+=("  largest error/tolerance: $(grep -o 'ratio=[0-9.]*' "$log" | sort -t= -k2 -g | tail -1) over $(grep -c 'ratio=' "$log") checked cases")
     fi
@@ -135,7 +146,7 @@ narrow_blocks() {
 # test; if it is still running after 40 s, the stacks of both ranks (gdb) go to the log.
 timeout_injection() {
   local log="$out/timeout.log"
-  SHARDMUON_TEST_PROGRESS=1 "${mpi[@]}" -x SHARDMUON_TEST_PROGRESS -np 2 \
+  SHARDMUON_TEST_PROGRESS=1 "${mpi[@]}" -x SHARDMUON_TEST_PROGRESS -np 2 "${shared[@]}" \
     $build/tests/shardmuon_tests --backend=cuda --gtest_brief=1 \
     --gtest_filter='Reliability.ARankThatNeverCalls*' >"$log" 2>&1 &
   local job=$! waited=0
@@ -154,7 +165,7 @@ timeout_injection() {
   wait $job
   local rc=$?
   grep -E "^\[rank|Failure" "$log" | head -20
-  results+=("NCCL timeout injection (2 GPUs): rc=$rc after ${waited}s $(grep -E 'PASSED|FAILED  \]' "$log" | sed 's/\x1b\[[0-9;]*m//g' | tr '\n' ' ')")
+  results+=("NCCL timeout injection (2 ranks, $gpus GPU(s)): rc=$rc after ${waited}s $(grep -E 'PASSED|FAILED  \]' "$log" | sed 's/\x1b\[[0-9;]*m//g' | tr '\n' ' ')")
 }
 # compute-sanitizer on one GPU: memcheck, synccheck and racecheck over the CUDA suite; all four
 # tools over the GPU unit tests (the symmetric passes, whose tiles go through shared memory).
@@ -327,7 +338,7 @@ if [[ "$what" == "final" ]]; then
     results+=("$tool (1 GPU): rc=$rc $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$log" | tail -1) $(grep -E 'PASSED|FAILED  \]' "$log" | sed 's/\x1b\[[0-9;]*m//g' | tr '\n' ' ')")
   done
   export SHARDMUON_LIBRARY="$root/$build/libshardmuon.so"
-  bounded 150 torchrun --nproc_per_node=2 python/tests/gpu/check_torch_gpu.py >"$out/torch_2.log" 2>&1
+  bounded 150 torchrun --nproc_per_node=2 "${torchrun_shared[@]}" python/tests/gpu/check_torch_gpu.py >"$out/torch_2.log" 2>&1
   bounded 90 python3 python/tests/gpu/check_torch_gpu.py >"$out/torch_1.log" 2>&1
   grep -hE "FAIL|torch.optim.Muon" "$out"/torch_*.log | head -12
   results+=("$(grep -h 'torch GPU checks' "$out"/torch_*.log | tr '\n' ' ')")
@@ -341,7 +352,7 @@ if [[ "$what" == "torch" ]]; then
   # The PyTorch front end with this machine's PyTorch (2.x): torchrun on 2 GPUs against the
   # whole-matrix reference, 1 GPU against torch.optim.Muon, then the main job at TP 1 and 2.
   export SHARDMUON_LIBRARY="$root/$build/libshardmuon.so"
-  torchrun --nproc_per_node=2 python/tests/gpu/check_torch_gpu.py 2>&1 | tee "$out/torch_gpu_2.log" | grep -E "FAIL|checks|Error" | head -20
+  torchrun --nproc_per_node=2 "${torchrun_shared[@]}" python/tests/gpu/check_torch_gpu.py 2>&1 | tee "$out/torch_gpu_2.log" | grep -E "FAIL|checks|Error" | head -20
   python3 python/tests/gpu/check_torch_gpu.py 2>&1 | tee "$out/torch_gpu_1.log" | grep -E "torch.optim.Muon|checks|Error"
   front_end_pytest
   tail -1 "$out/pytest_torch2.log"
@@ -355,13 +366,15 @@ if [[ "$what" == "torch" ]]; then
   mv "$out/configure.log" "$out/build.log" "$build/" 2>/dev/null  # at most 8 files come back
   exit 0
 fi
-for ranks in 1 $([[ $gpus -ge 2 ]] && echo 2); do
+for ranks in 1 2; do
   log="$out/gpu_tests_np$ranks.log"
-  OPENBLAS_NUM_THREADS=$(( $(nproc) / ranks )) bounded 400 "${mpi[@]}" -np $ranks \
+  wrap=()
+  [[ $ranks -gt $gpus ]] && wrap=("${shared[@]}")
+  OPENBLAS_NUM_THREADS=$(( $(nproc) / ranks )) bounded 400 "${mpi[@]}" -np $ranks "${wrap[@]}" \
     $build/tests/shardmuon_tests --backend=cuda --gtest_brief=1 >"$log" 2>&1
   rc=$?
   grep -E "^\[rank|Failure|FAILED" "$log" | head -40
-  results+=("cuda tests on $ranks GPU(s): rc=$rc $(grep -E 'PASSED|FAILED  \]|SKIPPED \]' "$log" | sed 's/\x1b\[[0-9;]*m//g' | tr '\n' ' ')")
+  results+=("cuda tests on $ranks rank(s), $gpus GPU(s), NCCL: rc=$rc $(grep -E 'PASSED|FAILED  \]|SKIPPED \]' "$log" | sed 's/\x1b\[[0-9;]*m//g' | tr '\n' ' ')")
   results+=("  largest error/tolerance: $(grep -o 'ratio=[0-9.]*' "$log" | sort -t= -k2 -g | tail -1) over $(grep -c 'ratio=' "$log") checked cases")
 done
 gpu_unit

@@ -80,9 +80,13 @@ void Harness::initialize(shardmuon_backend backend, CommKind comm_kind) {
     int devices = 0;
     cuda_ok(cudaGetDeviceCount(&devices), "cudaGetDeviceCount");
     require(devices >= 1, "no CUDA device");
-    // NCCL refuses two ranks on one GPU; the staged callbacks do not mind.
-    require(!over_nccl || h.world_size_ <= devices,
-            "more ranks than GPUs: run one rank per GPU, or pass --comm=callbacks");
+    // NCCL refuses two ranks on one GPU of one host; ranks given different NCCL_HOSTIDs are
+    // on different hosts to it, and connect over its network transport (scripts/gpu_check.sh
+    // runs them so where one GPU is lent). The staged callbacks do not mind.
+    const char* host_id = std::getenv("NCCL_HOSTID");
+    require(!over_nccl || h.world_size_ <= devices || (host_id != nullptr && *host_id != 0),
+            "more ranks than GPUs: run one rank per GPU, pass --comm=callbacks, or give each "
+            "rank its own NCCL_HOSTID");
     device = h.world_rank_ % devices;
     cuda_ok(cudaSetDevice(device), "cudaSetDevice");
     cudaStream_t stream = nullptr;

@@ -1,9 +1,11 @@
 """GPU checks of shardmuon.torch (PyTorch 2.x on the lent machine; CI has no GPU).
 
     torchrun --nproc_per_node=2 python/tests/gpu/check_torch_gpu.py   # sharded, NCCL
+    torchrun --nproc_per_node=2 --no-python scripts/rank_host_id.sh python3 \
+        python/tests/gpu/check_torch_gpu.py                           # the same, sharing one GPU
     python3 python/tests/gpu/check_torch_gpu.py                       # one GPU (or torchrun with 1)
 
-On 2 GPUs: every sharding mode (rows, columns, uneven, replicated) and dtype for 3 steps with
+On 2 ranks (2 GPUs, or sharing one): every sharding mode (rows, columns, uneven, replicated) and dtype for 3 steps with
 the learning rate changed every step, against the float64 reference on the whole matrices;
 a parameter without gradient; the errors for a CPU/CUDA mix and for a gloo group.
 On 1 GPU: against torch.optim.Muon where the settings coincide, and TorchMuon against it
@@ -180,7 +182,7 @@ def dtensor_checks(rank, world, device):
     for p, (shape, placement, dtype), (whole, grads) in zip(params, cases, wholes):
         expected = reference.muon_steps(whole, grads, lrs, weight_decay=0.1)
         error = reference.relative_error(p.full_tensor().cpu(), expected)
-        record(f"DTensor {'x'.join(map(str, shape))} {placement} {str(dtype)[6:]} on {world} GPU(s), rank 0's "
+        record(f"DTensor {'x'.join(map(str, shape))} {placement} {str(dtype)[6:]} on {world} rank(s), rank 0's "
                f"piece {tuple(p.to_local().shape)}", error < tolerance[dtype],
                f"error {error:.2e} (tolerance {tolerance[dtype]:.0e})")
     ns = st.NewtonSchulz()
@@ -190,7 +192,7 @@ def dtensor_checks(rank, world, device):
     ns(x)
     expected = reference.newton_schulz(whole, reference.coefficients("quintic", 5), 1e-7)
     error = reference.relative_error(x.full_tensor().cpu(), expected)
-    record(f"NewtonSchulz of a 333x1000 float32 DTensor Shard(1) on {world} GPU(s)", error < 2e-5,
+    record(f"NewtonSchulz of a 333x1000 float32 DTensor Shard(1) on {world} rank(s)", error < 2e-5,
            f"error {error:.2e}")
 
 
@@ -309,7 +311,8 @@ def one_more_step(first, second, grad):
 def main():
     # The sharded checks need two ranks; under torchrun with one process, the one-GPU checks.
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        local = int(os.environ["LOCAL_RANK"])
+        # Two ranks may share one GPU (scripts/rank_host_id.sh gives NCCL a host id per rank).
+        local = int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count()
         torch.cuda.set_device(local)
         dist.init_process_group("nccl")
         sharded_checks(dist.get_rank(), dist.get_world_size(), torch.device("cuda", local))
