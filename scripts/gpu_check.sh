@@ -5,7 +5,7 @@
 # $OUT (or ./gpu-logs).
 set -uo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
-cd "$root"
+cd "$root" || exit 1
 out="${OUT:-$root/gpu-logs}"
 mkdir -p "$out"
 # Never use NVLink multicast on the shared machines (shared/DEVICE.md).
@@ -27,7 +27,7 @@ if [[ $gpus -lt 2 ]]; then
   torchrun_shared=(--no-python "$root/scripts/rank_host_id.sh" python3)
 fi
 
-build=build-gpu
+build="build-gpu"
 # Header-only dependencies the GPU image may lack can be carried in .deps/include.
 deps=()
 if [[ -d "$root/.deps/include" ]]; then deps=(-DSHARDMUON_DEPS_DIR="$root/.deps"); fi
