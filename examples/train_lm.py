@@ -305,8 +305,12 @@ def _launched(rank, world, port):
 def run(args):
     if "WORLD_SIZE" in os.environ:  # tensor parallel over the launched ranks
         world = int(os.environ["WORLD_SIZE"])
-        use_cuda = args.device != "cpu" and torch.cuda.is_available() and torch.cuda.device_count() >= world
-        local = int(os.environ.get("LOCAL_RANK", 0))
+        # Ranks may share a GPU where each has its own NCCL host id (scripts/rank_host_id.sh,
+        # for checks on a one-GPU machine); else one GPU a rank, or CPU processes.
+        shared = "NCCL_HOSTID" in os.environ
+        use_cuda = args.device != "cpu" and torch.cuda.is_available() and (
+            torch.cuda.device_count() >= world or shared)
+        local = int(os.environ.get("LOCAL_RANK", 0)) % max(1, torch.cuda.device_count())
         if use_cuda:
             torch.cuda.set_device(local)
         dist.init_process_group("nccl" if use_cuda else "gloo")
