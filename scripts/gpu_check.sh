@@ -100,9 +100,9 @@ cuda_tests() {
   done
 }
 # The CUDA tests on 2 and 3 ranks over --comm=callbacks (tests/common/mpi_callbacks.h): the
-# ranks share the GPUs there are (NCCL refuses that), so every distributed path runs against
-# the single-rank result even on one GPU, with uneven shards over three ranks. The data
-# moves through host memory, which NCCL's Gram sums in bf16 never do: those stay for NCCL.
+# ranks share the GPUs there are, so every distributed path runs against the single-rank
+# result without NCCL, with uneven shards over three ranks. The data moves through host
+# memory, which NCCL's Gram sums in bf16 never do: those are checked over NCCL (cuda_tests).
 callback_tests() {
   callback_run 2 '-*MultiBlock*' callbacks_np2
   callback_run 3 '-*MultiBlock*' callbacks_np3

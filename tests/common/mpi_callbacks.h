@@ -1,8 +1,9 @@
 // The collectives of shardmuon_comm_callbacks over MPI, as a framework bridges its own process
 // group (the PyTorch front end does the same over gloo). Host buffers go to MPI directly.
 // Device buffers are staged through host memory once the call's stream has finished: slow,
-// but any number of ranks can then share one GPU, which NCCL refuses ("Duplicate GPU"), so the
-// distributed CUDA paths can be checked against the single-rank result on a one-GPU machine.
+// but any number of ranks can then share one GPU, so the distributed CUDA paths are checked
+// against the single-rank result without NCCL too (over NCCL, ranks share a GPU only with a
+// host id each: scripts/rank_host_id.sh).
 #pragma once
 
 #include <mpi.h>
