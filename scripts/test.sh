@@ -49,9 +49,11 @@ summary+=("python tests: $(grep -E '[0-9]+ (passed|failed)' "$root/build/pytest.
   sanitizer_status=0
   ASAN_OPTIONS=detect_leaks=1 "$asan/tests/shardmuon_single_tests" --gtest_brief=1 \
     >"$asan/single.log" 2>&1 || sanitizer_status=1
+  as_root=()
+  if [[ $(id -u) -eq 0 ]]; then as_root=(--allow-run-as-root); fi
   for run in "2 native" "4 native" "3 callbacks"; do
     read -r ranks comm <<<"$run"
-    ASAN_OPTIONS=detect_leaks=0 mpirun --oversubscribe $([[ $(id -u) -eq 0 ]] && echo --allow-run-as-root) \
+    ASAN_OPTIONS=detect_leaks=0 mpirun --oversubscribe "${as_root[@]}" \
       -np $ranks -x ASAN_OPTIONS -x UBSAN_OPTIONS -x OPENBLAS_NUM_THREADS \
       "$asan/tests/shardmuon_tests" --comm=$comm --gtest_brief=1 >"$asan/ranks${ranks}_$comm.log" 2>&1 ||
       sanitizer_status=1
