@@ -17,6 +17,8 @@ over the (dp, tp) ranks again.
     torchrun --nproc_per_node=4 bench/bench_dtensor_step.py --device cpu --scale 16   # gloo
     torchrun --nproc_per_node=8 bench/bench_dtensor_step.py --device cpu --scale 16 --pp 2
     torchrun --nproc_per_node=4 bench/bench_dtensor_step.py                         # 4 GPUs
+    torchrun --nproc_per_node=4 --no-python scripts/rank_host_id.sh python3 \
+        bench/bench_dtensor_step.py     # 4 ranks sharing one GPU over NCCL (checks only)
 
 Per layer, Llama-3-8B's shapes over --scale: QKV 6144 x 4096, out 4096 x 4096, gate+up
 28672 x 4096, down 4096 x 14336 (bf16 on GPUs, float32 on the CPU). Times: one step, warm-ups,
@@ -66,7 +68,8 @@ def main():
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     if args.device == "cuda":
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        # Ranks may share a GPU (scripts/rank_host_id.sh), to check a mesh's steps on one GPU.
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
         device, dtype = torch.device("cuda", torch.cuda.current_device()), torch.bfloat16
         dist.init_process_group("nccl", device_id=device)
     else:

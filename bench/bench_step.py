@@ -155,7 +155,8 @@ def main():
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     if args.device == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        # Ranks may share a GPU (scripts/rank_host_id.sh), to check the 2-rank path on one GPU.
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
         device = torch.device("cuda", torch.cuda.current_device())
         dtype = torch.bfloat16
         torch.backends.cuda.matmul.allow_tf32 = False

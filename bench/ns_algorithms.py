@@ -57,7 +57,8 @@ def main():
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    # Ranks may share a GPU (scripts/rank_host_id.sh), to check the script on one GPU.
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
     dtype = DTYPES[args.dtype]
     schedule, steps = args.schedule.split(":")
