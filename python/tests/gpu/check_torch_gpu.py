@@ -5,9 +5,10 @@
         python/tests/gpu/check_torch_gpu.py                           # the same, sharing one GPU
     python3 python/tests/gpu/check_torch_gpu.py                       # one GPU (or torchrun with 1)
 
-On 2 ranks (2 GPUs, or sharing one): every sharding mode (rows, columns, uneven, replicated) and dtype for 3 steps with
-the learning rate changed every step, against the float64 reference on the whole matrices;
-a parameter without gradient; the errors for a CPU/CUDA mix and for a gloo group.
+On 2 ranks (2 GPUs, or sharing one): every sharding mode (rows, columns, uneven, replicated)
+and dtype for 3 steps with the learning rate changed every step, against the float64
+reference on the whole matrices; a parameter without gradient; the errors for a CPU/CUDA mix
+and for a gloo group.
 On 1 GPU: against torch.optim.Muon where the settings coincide, and TorchMuon against it
 given the same arguments, its state dict loaded into TorchMuon. On both: DTensor parameters
 and NewtonSchulz on a DTensor, on a CUDA device mesh of every rank (rows and columns split by
