@@ -52,8 +52,9 @@ class ShardLayout {
   // The smaller and larger logical extents: the Gram matrix is s x s.
   int64_t short_extent() const { return rows_ <= cols_ ? rows_ : cols_; }
   int64_t long_extent() const { return rows_ <= cols_ ? cols_ : rows_; }
-  // The dim along which the iteration's blocks lie (the long side). For a square matrix,
-  // the sharded dim, so that its shards need no redistribution.
+  // The dim along which (b)'s blocks lie (the long side). For a square matrix, the sharded
+  // dim, so that its shards need no redistribution. A matrix iterated whole on one rank takes
+  // its columns as the long side unless rows > cols, however it is sharded.
   int long_dim() const;
 
   std::string describe() const;

@@ -322,9 +322,9 @@ ValidatedMuonStep validate_muon_step(const Backend& backend, const Communicator&
 namespace {
 
 // Two matrices can run in one strided batch (NsProblem::batch): both local, with the same
-// problem. The same long side too: a square matrix's depends on its layout (sharded along
-// dim 0 or not), and in a batch of another's it would iterate on the other Gram, equal only up
-// to rounding, so that its result would depend on which matrix leads its batch.
+// problem. Their layouts may differ: a local iteration's orientation depends on the shape
+// alone (WideBlock::whole), so a square matrix sharded along dim 0 and a replicated one
+// iterate alike.
 bool batchable_together(const NsProblem& a, const NsProblem& b) {
   auto same = [](const Coefficients& x, const Coefficients& y) {
     return x.a == y.a && x.b == y.b && x.c == y.c;
@@ -332,8 +332,7 @@ bool batchable_together(const NsProblem& a, const NsProblem& b) {
   return a.plan.algorithm == NsPlan::Algorithm::kLocal &&
          b.plan.algorithm == NsPlan::Algorithm::kLocal && a.dtype == b.dtype &&
          a.layout.rows() == b.layout.rows() && a.layout.cols() == b.layout.cols() &&
-         a.layout.long_dim() == b.layout.long_dim() && a.plan.iteration == b.plan.iteration &&
-         a.eps == b.eps &&
+         a.plan.iteration == b.plan.iteration && a.eps == b.eps &&
          std::equal(a.coefficients.begin(), a.coefficients.end(), b.coefficients.begin(),
                     b.coefficients.end(), same);
 }

@@ -34,11 +34,21 @@ struct WideBlock {
   int64_t length = 0;
   bool long_side_is_cols = true;
 
+  // A block of `layout`'s shards, in its orientation: a square matrix takes the sharded dim
+  // as its long side, so that (b) sums Grams of shards and never redistributes.
   static WideBlock of(const ShardLayout& layout, int64_t block_rows, int64_t block_cols) {
+    return oriented(layout.long_dim() == 1, block_rows, block_cols);
+  }
+  // The whole matrix, as one rank iterates it alone (a replicated matrix, a group of one, or
+  // (a) on its gathered copy): the long side is the columns unless rows > cols, as in
+  // torch.optim.Muon, whatever the sharding, so that a square matrix's result does not depend
+  // on the dim it is sharded along (bitwise: the gather is exact).
+  static WideBlock whole(int64_t rows, int64_t cols) { return oriented(rows <= cols, rows, cols); }
+  static WideBlock oriented(bool long_side_is_cols, int64_t block_rows, int64_t block_cols) {
     WideBlock block;
-    block.long_side_is_cols = layout.long_dim() == 1;
-    block.s = block.long_side_is_cols ? block_rows : block_cols;
-    block.length = block.long_side_is_cols ? block_cols : block_rows;
+    block.long_side_is_cols = long_side_is_cols;
+    block.s = long_side_is_cols ? block_rows : block_cols;
+    block.length = long_side_is_cols ? block_cols : block_rows;
     return block;
   }
   int64_t elements() const { return s * length; }
@@ -892,7 +902,7 @@ struct Scratch {
     Scratch scratch;
     switch (problem.plan.algorithm) {
       case NsPlan::Algorithm::kLocal:
-        scratch.block = WideBlock::of(layout, layout.rows(), layout.cols());
+        scratch.block = WideBlock::whole(layout.rows(), layout.cols());
         break;
       case NsPlan::Algorithm::kDuplicated: {
         // Uneven shards are gathered as equal blocks padded to the largest shard.
@@ -901,7 +911,7 @@ struct Scratch {
         scratch.gather_block_bytes = largest * element;
         scratch.gathered = scratch.carver.reserve(scratch.gather_block_bytes * ranks);
         scratch.matrix = scratch.carver.reserve(layout.rows() * layout.cols() * element);
-        scratch.block = WideBlock::of(layout, layout.rows(), layout.cols());
+        scratch.block = WideBlock::whole(layout.rows(), layout.cols());
         break;
       }
       case NsPlan::Algorithm::kGramAllReduce:
@@ -948,7 +958,7 @@ std::vector<int64_t> local_iteration_key(const Backend& backend, const NsProblem
   std::vector<int64_t> key = {problem.dtype,
                               layout.rows(),
                               layout.cols(),
-                              layout.long_dim(),
+                              buffers.padded.long_side_is_cols,
                               static_cast<int64_t>(problem.plan.algorithm),
                               static_cast<int64_t>(problem.plan.iteration),
                               problem.batch,

@@ -585,6 +585,36 @@ TEST_F(NewtonSchulzInvariants, ReplicatedIsIdenticalAcrossRanksAndDeterministic)
   }
 }
 
+// A matrix that one rank iterates alone (a group of one, or (a) on its gathered copy) runs in
+// the orientation its shape gives, whatever dim it is sharded along: a square one's long side
+// is its columns either way, as when replicated. Its result is then bitwise the replicated
+// one's, which is what one GPU's Muon gives on the gathered matrix (the gather is exact).
+TEST_F(NewtonSchulzInvariants, SquareMatrixGatheredIsBitwiseTheReplicatedResult) {
+  const int p = Harness::get().max_group_size();
+  const Group& group = Harness::get().group(p);
+  if (!group.member) return;
+  const shardmuon_ns_algorithm algorithm = p == 1 ? SHARDMUON_NS_AUTO : SHARDMUON_NS_DUPLICATED;
+  std::vector<shardmuon_dtype> dtypes = {SHARDMUON_FLOAT32, SHARDMUON_BFLOAT16};
+  if (!Harness::get().on_gpu()) dtypes.push_back(SHARDMUON_FLOAT64);
+  for (const shardmuon_dtype dtype : dtypes) {
+    const Matrix input = input_for(Shape{67, 67}, dtype);
+    const NsRun replicated =
+        run_newton_schulz(group, input, dtype, SHARDMUON_REPLICATED, {},
+                          make_options(SHARDMUON_SCHEDULE_QUINTIC, 5, SHARDMUON_NS_AUTO));
+    ASSERT_TRUE(all_succeeded(replicated, group)) << replicated.error;
+    Matrix whole(67, 67);
+    whole.values = replicated.output_shard;
+    for (const shardmuon_partition partition : {SHARDMUON_SHARDED_DIM0, SHARDMUON_SHARDED_DIM1}) {
+      const std::vector<int64_t> sizes = uneven_sizes(67, p);
+      const NsRun run = run_newton_schulz(group, input, dtype, partition, sizes,
+                                          make_options(SHARDMUON_SCHEDULE_QUINTIC, 5, algorithm));
+      ASSERT_TRUE(all_succeeded(run, group)) << run.error;
+      EXPECT_EQ(run.output_shard, extract_shard(whole, partition, sizes, group.rank))
+          << partition_label(partition) << " " << dtype_label(dtype) << " P=" << p;
+    }
+  }
+}
+
 // The C API asks only that a shard be aligned to its elements. A bf16 shard 2 bytes past a
 // 16-byte boundary, of sides that need no padding (so that on the GPU the last product
 // writes straight into it, at that alignment), gives the oracle's result in every layout.
