@@ -267,6 +267,21 @@ SHARDMUON_API shardmuon_status shardmuon_context_nonfinite_counts(shardmuon_cont
                                                                   int64_t* skipped_steps,
                                                                   int64_t* skipped_params);
 
+/* A float shared between the context's checked steps (SKIP or RAISE) and what runs beside
+ * them, such as another optimizer over the model's other parameters, or a mixed-precision loss
+ * scaler's found_inf: on the context's device (host memory for the CPU backend), 4-byte
+ * aligned. A checked step reads it, in stream order, as one more gradient of this rank: a
+ * non-zero value skips the step on every rank of its communicator, as a non-finite gradient
+ * would (and RAISE reports it). The step then writes there whether it was skipped: non-zero if
+ * so, else 0. So a caller that sets it to whether its own gradients are finite before the step
+ * reads after the step whether to skip its own update, without the host waiting in between; a
+ * second step over another communicator that reads the first's verdict skips too. A step under
+ * PROCEED neither reads nor writes it. NULL (the default): none. The context keeps the pointer,
+ * not the value: it must stay valid while steps run, and a step captured into a CUDA graph
+ * reads and writes it at every replay. */
+SHARDMUON_API shardmuon_status shardmuon_context_set_step_flag(shardmuon_context_t context,
+                                                               float* flag);
+
 /* Bytes of workspace the context currently holds. */
 SHARDMUON_API shardmuon_status shardmuon_context_workspace_bytes(shardmuon_context_t context,
                                                                  size_t* bytes);

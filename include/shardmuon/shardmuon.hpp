@@ -48,6 +48,23 @@ class Context {
     check(shardmuon_context_workspace_bytes(get(), &bytes));
     return bytes;
   }
+  // What its Muon steps do with a NaN or Inf (shardmuon_context_set_nonfinite_policy).
+  void set_nonfinite_policy(shardmuon_nonfinite_policy policy) const {
+    check(shardmuon_context_set_nonfinite_policy(get(), policy));
+  }
+  // A float its checked steps read and then write (shardmuon_context_set_step_flag).
+  void set_step_flag(float* flag) const { check(shardmuon_context_set_step_flag(get(), flag)); }
+  struct NonfiniteCounts {
+    int64_t skipped_steps = 0;
+    int64_t skipped_params = 0;
+  };
+  // Steps and parameters its Muon steps skipped (shardmuon_context_nonfinite_counts: waits for
+  // the device).
+  NonfiniteCounts nonfinite_counts() const {
+    NonfiniteCounts counts;
+    check(shardmuon_context_nonfinite_counts(get(), &counts.skipped_steps, &counts.skipped_params));
+    return counts;
+  }
 
  private:
   Context(shardmuon_context_t handle, bool owned) : handle_(handle, Destroy{owned}) {}

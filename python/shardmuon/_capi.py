@@ -27,6 +27,9 @@ WEIGHT_DECAY_MODES = {"decoupled": 0, "l2": 1, "independent": 2, "none": 3}
 SCALE_MODES = {"spectral": 0, "shape_scaling": 1, "unit_rms_norm": 2, "none": 3}
 # shardmuon_ns_storage: the dtype a group's updates are orthogonalized in (None: the parameter's).
 NS_STORAGES = {None: 0, "bfloat16": 1, "float32": 2}
+# shardmuon_nonfinite_policy: what a step does with a NaN or Inf (the header's comments).
+NONFINITE_POLICIES = {"skip": 0, "raise": 1, "proceed": 2}
+ERROR_NON_FINITE = 13
 
 
 class Layout(ctypes.Structure):
@@ -172,6 +175,10 @@ _signatures = {
     "shardmuon_context_create": (_c_status, [ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_void_p)]),
     "shardmuon_context_destroy": (_c_status, [ctypes.c_void_p]),
     "shardmuon_context_set_ns_batch_bytes": (_c_status, [ctypes.c_void_p, ctypes.c_size_t]),
+    "shardmuon_context_set_nonfinite_policy": (_c_status, [ctypes.c_void_p, ctypes.c_int]),
+    "shardmuon_context_set_step_flag": (_c_status, [ctypes.c_void_p, ctypes.c_void_p]),
+    "shardmuon_context_nonfinite_counts": (
+        _c_status, [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int64)]),
     "shardmuon_context_workspace_bytes": (_c_status, [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t)]),
     "shardmuon_comm_create_self": (_c_status, [ctypes.POINTER(ctypes.c_void_p)]),
     "shardmuon_comm_create_nccl": (_c_status, [ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)]),

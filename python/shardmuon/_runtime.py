@@ -20,7 +20,8 @@ from . import _capi as c
 
 
 class Context:
-    def __init__(self, device: torch.device, ns_batch_bytes: Optional[int] = None):
+    def __init__(self, device: torch.device, ns_batch_bytes: Optional[int] = None,
+                 nonfinite_policy: Optional[int] = None):
         self.device = device
         handle = ctypes.c_void_p()
         if device.type == "cuda":
@@ -30,6 +31,22 @@ class Context:
         self.handle = handle
         if ns_batch_bytes is not None:
             c.check(c.lib.shardmuon_context_set_ns_batch_bytes(handle, ns_batch_bytes))
+        if nonfinite_policy is not None:
+            c.check(c.lib.shardmuon_context_set_nonfinite_policy(handle, nonfinite_policy))
+        self.step_flag: Optional[torch.Tensor] = None  # see use_step_flag
+
+    def use_step_flag(self, flag: torch.Tensor) -> None:
+        """Shares a one-element float32 tensor on this context's device with its steps
+        (shardmuon_context_set_step_flag): they read it as one more gradient and write their
+        verdict there. Kept here, so that it lives as long as the library holds its address."""
+        c.check(c.lib.shardmuon_context_set_step_flag(self.handle, ctypes.c_void_p(flag.data_ptr())))
+        self.step_flag = flag
+
+    def nonfinite_counts(self):
+        """(steps, parameters) skipped for non-finite values so far; waits for the device."""
+        steps, params = ctypes.c_int64(), ctypes.c_int64()
+        c.check(c.lib.shardmuon_context_nonfinite_counts(self.handle, ctypes.byref(steps), ctypes.byref(params)))
+        return steps.value, params.value
 
     def __del__(self):
         if getattr(self, "handle", None):
@@ -201,17 +218,25 @@ class Runtimes:
     """The handles of an optimizer or NewtonSchulz, made on first use: one context (and its
     workspace) per device, one communicator per device and process group."""
 
-    def __init__(self, ns_batch_bytes: Optional[int] = None):
-        self._ns_batch_bytes = ns_batch_bytes  # the contexts' (None: the library's default)
+    def __init__(self, ns_batch_bytes: Optional[int] = None, nonfinite_policy: Optional[int] = None):
+        # The contexts' settings (None: the library's defaults).
+        self._ns_batch_bytes, self._nonfinite_policy = ns_batch_bytes, nonfinite_policy
         self._contexts = {}
         self._comms = {}
 
-    def get(self, device: torch.device, group):
+    def context(self, device: torch.device) -> Context:
         if device not in self._contexts:
-            self._contexts[device] = Context(device, self._ns_batch_bytes)
+            self._contexts[device] = Context(device, self._ns_batch_bytes, self._nonfinite_policy)
+        return self._contexts[device]
+
+    def contexts(self):
+        return list(self._contexts.values())
+
+    def get(self, device: torch.device, group):
+        context = self.context(device)
         if (device, group) not in self._comms:
             self._comms[(device, group)] = Communicator(group, device)
-        return self._contexts[device], self._comms[(device, group)]
+        return context, self._comms[(device, group)]
 
 
 def _nccl_comm_pointer(group, device: torch.device) -> int:

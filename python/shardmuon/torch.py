@@ -197,6 +197,18 @@ def _split_names(params):
     return unpack(params), names
 
 
+def _any_nonfinite(tensors: List[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """A float32 1.0 on `device` if any element of `tensors` is NaN or Inf, else 0.0, computed
+    there without waiting for it: their 1-norms, which a NaN or Inf makes non-finite (and no
+    finite gradient reaches, at float32's 3.4e38), in one pass over each tensor."""
+    try:
+        norms = torch._foreach_norm(tensors, 1)
+    except (AttributeError, NotImplementedError, RuntimeError, TypeError):  # an older torch
+        norms = [torch.linalg.vector_norm(t, 1) for t in tensors]
+    norms = torch.stack([n.to(device=device, dtype=torch.float32) for n in norms])
+    return (~torch.isfinite(norms)).any().to(torch.float32)
+
+
 def _all_gather_ints(values: List[int], process_group, device: torch.device) -> List[List[int]]:
     """Every rank's `values` ([rank][i]), by one all-gather over the group (on the GPU for an
     NCCL group, whose collectives take CUDA tensors)."""
@@ -269,6 +281,17 @@ class Muon(torch.optim.Optimizer):
     batches of as many as fit. Larger batches are faster for models of many small matrices
     (1 GiB on an H200: GPT-2 medium's and XL's steps 1-4% faster) for up to that much more
     GPU memory; every rank must pass the same value.
+
+    ``nonfinite`` says what a step does with a NaN or Inf: "skip" (the default) skips the
+    whole step on every rank when any gradient is not finite (nothing written), else only a
+    parameter whose orthogonalized update is not finite, found on the GPU without waiting for
+    it; "raise" does the same, waits for the step's end, and raises a ShardmuonError (status
+    ``ERROR_NON_FINITE``) naming what was skipped; "proceed" checks nothing (the fastest).
+    ``nonfinite_counts()`` says how many steps and parameters were skipped. A step of
+    parameters in several process groups (DTensors on several mesh dimensions) skips per
+    group, and a group's skip skips the groups after it on its ranks. Another optimizer over
+    the other parameters knows nothing of it: use MuonWithAdamW, which skips both, or read the
+    counts.
     """
 
     def __init__(
@@ -293,6 +316,7 @@ class Muon(torch.optim.Optimizer):
         redistribution_bytes: int = 1 << 30,
         ns_dtype: Optional[torch.dtype] = None,
         ns_batch_bytes: int = 256 << 20,
+        nonfinite: str = "skip",
     ):
         params, self._param_names = _split_names(params)
         defaults = dict(
@@ -310,9 +334,14 @@ class Muon(torch.optim.Optimizer):
         self._redistribution_bytes = redistribution_bytes
         if isinstance(ns_batch_bytes, bool) or not isinstance(ns_batch_bytes, int) or ns_batch_bytes < 0:
             raise ValueError(f"Muon: ns_batch_bytes must be a non-negative int, got {ns_batch_bytes!r}")
+        if nonfinite not in c.NONFINITE_POLICIES:
+            raise ValueError(f"Muon: nonfinite must be one of {sorted(c.NONFINITE_POLICIES)}, got {nonfinite!r}")
+        self._nonfinite = nonfinite
         super().__init__(params, defaults)  # checks each group (add_param_group)
         self.process_group = normalize_group(process_group)
-        self._runtimes = Runtimes(ns_batch_bytes)
+        self._runtimes = Runtimes(ns_batch_bytes, c.NONFINITE_POLICIES[nonfinite])
+        self._steps_skipped_here = 0  # by a subclass, on steps that made no library call
+        self._called_library = False  # in the current step
         self._shard_sizes = _PerTensor()  # of the sharded parameters: every rank's extent
         self._seen = _PerTensor()  # the parameters whose shard sizes every rank has exchanged
         self._gather_notes = set()  # the ones warned of (see _dtensor_entry)
@@ -714,12 +743,24 @@ class Muon(torch.optim.Optimizer):
 
     # -- the step -----------------------------------------------------------------------------
 
+    def nonfinite_counts(self) -> Dict[str, int]:
+        """Steps skipped because a gradient was not finite (``skipped_steps``; a step of
+        several process groups counts each group's call), and parameters skipped because their
+        update was not finite (``skipped_params``), so far; waits for the GPU. See
+        ``nonfinite``."""
+        steps, params = self._steps_skipped_here, 0
+        for context in self._runtimes.contexts():
+            context_steps, context_params = context.nonfinite_counts()
+            steps, params = steps + context_steps, params + context_params
+        return {"skipped_steps": steps, "skipped_params": params}
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._called_library = False
         self._check_other_steps()
         self._muon_step()
         self._other_steps()
@@ -761,6 +802,7 @@ class Muon(torch.optim.Optimizer):
             self._step_cache = self._remember(made)
 
     def _call_step(self, context, comm, params, count, groups, stream):
+        self._called_library = True
         status = c.lib.shardmuon_muon_step(context.handle, comm.handle, params, count, groups,
                                            len(self.param_groups), stream)
         comm.raise_callback_error()
@@ -979,7 +1021,14 @@ class MuonWithAdamW(Muon):
     (embeddings, norms, biases, the output head), in one optimizer: one ``step``,
     ``zero_grad``, ``state_dict`` and LR scheduler for both. AdamW groups take ``lr``,
     ``betas``, ``eps`` and ``weight_decay`` (defaults: adamw_betas, adamw_eps, 0.0).
-    ``muon_param_groups(model)`` builds such groups from a model."""
+    ``muon_param_groups(model)`` builds such groups from a model.
+
+    Under ``nonfinite`` "skip" or "raise", a NaN or Inf in any gradient, Muon's or AdamW's,
+    skips both (or raises before either writes): the AdamW gradients are checked on the GPU
+    and the result passed to the Muon step as its step flag (shardmuon_context_set_step_flag),
+    which says after it whether the step was skipped, on every rank of its process group.
+    Reading that before AdamW's step waits for the Muon step (one synchronization a step,
+    which "proceed" does without)."""
 
     def __init__(self, param_groups: List[Dict[str, Any]], *, adamw_betas=(0.9, 0.95),
                  adamw_eps: float = 1e-8, **muon_kwargs):
@@ -1031,12 +1080,32 @@ class MuonWithAdamW(Muon):
     def _check_other_steps(self):
         # torch.optim.AdamW raises on a sparse gradient (nn.Embedding(sparse=True)) only when it
         # steps, after the Muon groups have been written: found here first.
+        grads = []
         for index, group in enumerate(self.param_groups):
             if not group["use_muon"]:
                 for position, p in enumerate(group["params"]):
                     if p.grad is not None and p.grad.is_sparse:
                         raise ValueError(f"MuonWithAdamW: {self._name(p, index, position)} has a sparse "
                                          "gradient, which torch.optim.AdamW does not take")
+                    if p.grad is not None:
+                        grads.append(local_tensor(p.grad))
+        self._adamw_flag = self._flag_adamw_gradients(grads)
+
+    def _flag_adamw_gradients(self, grads) -> Optional[torch.Tensor]:
+        """The step flag that the Muon step reads and then writes (see the class's note): set
+        to whether the AdamW gradients hold a NaN or Inf. A context's flag from an earlier step
+        is cleared, so that its stale verdict does not skip this one."""
+        device = grads[0].device if grads else None
+        for context in self._runtimes.contexts():
+            if context.step_flag is not None and context.device != device:
+                context.step_flag.zero_()
+        if self._nonfinite == "proceed" or device is None:
+            return None
+        context = self._runtimes.context(device)
+        if context.step_flag is None:
+            context.use_step_flag(torch.zeros(1, dtype=torch.float32, device=device))
+        context.step_flag.copy_(_any_nonfinite(grads, device))
+        return context.step_flag
 
     def _other_steps(self):
         if self._adam is None:
@@ -1046,6 +1115,14 @@ class MuonWithAdamW(Muon):
             theirs["weight_decay"] = ours["weight_decay"]
             theirs["betas"] = ours["betas"]
             theirs["eps"] = ours["adamw_eps"]
+        if self._adamw_flag is not None and self._adamw_flag.item() != 0.0:  # waits for the step
+            if not self._called_library:  # no Muon call counted it
+                self._steps_skipped_here += 1
+                if self._nonfinite == "raise":
+                    raise c.ShardmuonError(c.ERROR_NON_FINITE, "SHARDMUON_ERROR_NON_FINITE: a gradient of the "
+                                           "AdamW groups was not finite (NaN or Inf); the step was skipped "
+                                           "and nothing was written")
+            return
         self._adam.step()
 
     def load_state_dict(self, state_dict):

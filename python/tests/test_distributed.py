@@ -417,3 +417,34 @@ def test_flat_shards_state_loads_under_another_split():
         launch(_save_flat, 2, directory)
         launch(_load_flat, 3, directory, 2)
         launch(_load_flat, 1, directory, 2)
+
+
+def _adamw_nonfinite_on_one_rank(rank, world):
+    """A NaN in an AdamW gradient on the last rank only skips the whole step on every rank:
+    the Muon step's all-reduced flag carries it to the others, whose AdamW then skips too."""
+    generator = torch.Generator().manual_seed(17)
+    w = torch.randn(20, 30, generator=generator, dtype=torch.float64)
+    sizes = split(30, WEIGHTS[world])
+    weight = torch.nn.Parameter(shard_of(w, 1, sizes, rank))
+    weight.partition_dim = 1
+    bias = torch.nn.Parameter(torch.randn(30, generator=generator, dtype=torch.float64))
+    optimizer = st.MuonWithAdamW([{"params": [weight], "use_muon": True},
+                                  {"params": [bias], "use_muon": False, "lr": 1e-3}], lr=0.02,
+                                 process_group=dist.group.WORLD)
+    g = torch.randn(20, 30, generator=generator, dtype=torch.float64)
+    weight.grad, bias.grad = shard_of(g, 1, sizes, rank), torch.ones(30, dtype=torch.float64)
+    if rank == world - 1:
+        bias.grad[4] = float("nan")
+    before = [weight.detach().clone(), bias.detach().clone()]
+    optimizer.step()
+    assert torch.equal(weight.detach(), before[0]) and torch.equal(bias.detach(), before[1]), rank
+    assert optimizer.nonfinite_counts() == {"skipped_steps": 1, "skipped_params": 0}, rank
+    bias.grad = torch.ones(30, dtype=torch.float64)
+    optimizer.step()  # finite everywhere: both step on every rank (an empty shard has nothing to change)
+    assert weight.numel() == 0 or not torch.equal(weight.detach(), before[0]), rank
+    assert not torch.equal(bias.detach(), before[1]), rank
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_an_adamw_nonfinite_gradient_on_one_rank_skips_the_step_everywhere(world):
+    launch(_adamw_nonfinite_on_one_rank, world)

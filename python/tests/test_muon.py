@@ -760,3 +760,104 @@ def test_3d_parameters_take_only_column_or_no_sharding():
     p.grad = torch.randn(2, 4, 6)
     with pytest.raises(ValueError, match="partition_dim 2"):
         optimizer.step()
+
+
+def test_nonfinite_policies_skip_raise_or_proceed_and_are_counted():
+    torch.manual_seed(8)
+    with pytest.raises(ValueError, match=r"nonfinite must be one of \['proceed', 'raise', 'skip'\], got 'ignore'"):
+        st.Muon([torch.nn.Parameter(torch.randn(4, 6))], nonfinite="ignore")
+    for poison in (float("nan"), float("inf")):
+        weight = torch.nn.Parameter(torch.randn(6, 9))
+        skipping, raising = st.Muon([weight], lr=0.02), st.Muon([weight], lr=0.02, nonfinite="raise")
+        assert skipping.nonfinite_counts() == {"skipped_steps": 0, "skipped_params": 0}
+        weight.grad = torch.randn(6, 9)
+        weight.grad[2, 3] = poison
+        before = weight.detach().clone()
+        skipping.step()
+        assert torch.equal(weight.detach(), before)
+        assert skipping.nonfinite_counts() == {"skipped_steps": 1, "skipped_params": 0}
+        with pytest.raises(shardmuon.torch.c.ShardmuonError, match="NON_FINITE.*skipped on every rank") as raised:
+            raising.step()
+        assert raised.value.status == 13 and torch.equal(weight.detach(), before)
+        assert raising.nonfinite_counts()["skipped_steps"] == 1
+        st.Muon([weight], lr=0.02, nonfinite="proceed").step()
+        assert not torch.isfinite(weight.detach()).all()  # as documented: no check
+        weight.grad = torch.randn(6, 9)  # a finite step after a skipped one runs
+        weight.data.copy_(before)
+        skipping.step()
+        assert not torch.equal(weight.detach(), before) and torch.isfinite(weight.detach()).all()
+
+
+def _muon_with_adamw_pair(seed, **options):
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.nn.Parameter(torch.randn(6, 9, generator=generator))
+    bias = torch.nn.Parameter(torch.randn(9, generator=generator))
+    optimizer = st.MuonWithAdamW([{"params": [weight], "use_muon": True},
+                                  {"params": [bias], "use_muon": False, "lr": 1e-3}], lr=0.02, **options)
+    return weight, bias, optimizer
+
+
+def _set_grads(params, seed, poison=None):
+    generator = torch.Generator().manual_seed(seed)
+    for index, p in enumerate(params):
+        p.grad = torch.randn(p.shape, generator=generator)
+        if poison == index:
+            p.grad.view(-1)[1] = float("nan")
+
+
+@pytest.mark.parametrize("poisoned", ["muon", "adamw"])
+def test_muon_with_adamw_skips_both_on_a_nonfinite_gradient_of_either(poisoned):
+    weight, bias, optimizer = _muon_with_adamw_pair(9)
+    twin_weight, twin_bias, twin = _muon_with_adamw_pair(9, nonfinite="proceed")
+    params = [weight, bias]
+    _set_grads(params, 1)
+    _set_grads([twin_weight, twin_bias], 1)
+    optimizer.step()
+    twin.step()
+    state = {id(p): {k: v.clone() for k, v in optimizer.state[p].items()} for p in params}
+    before = [p.detach().clone() for p in params]
+    _set_grads(params, 2, poison=0 if poisoned == "muon" else 1)
+    optimizer.step()
+    assert all(torch.equal(p.detach(), b) for p, b in zip(params, before))  # neither stepped
+    for p in params:
+        assert all(torch.equal(v, state[id(p)][k]) for k, v in optimizer.state[p].items())
+    assert optimizer.nonfinite_counts() == {"skipped_steps": 1, "skipped_params": 0}
+    # The next finite step runs both, the same as an optimizer that never saw the bad one.
+    for seed in (3, 4):
+        _set_grads(params, seed)
+        _set_grads([twin_weight, twin_bias], seed)
+        optimizer.step()
+        twin.step()
+    assert torch.equal(weight.detach(), twin_weight.detach()) and torch.equal(bias.detach(), twin_bias.detach())
+
+
+def test_muon_with_adamw_raises_on_an_adamw_gradient_before_writing_and_counts_adamw_alone():
+    weight, bias, optimizer = _muon_with_adamw_pair(10, nonfinite="raise")
+    _set_grads([weight, bias], 5, poison=1)
+    before = [weight.detach().clone(), bias.detach().clone()]
+    with pytest.raises(shardmuon.torch.c.ShardmuonError, match="NON_FINITE.*step flag"):
+        optimizer.step()
+    assert torch.equal(weight.detach(), before[0]) and torch.equal(bias.detach(), before[1])
+    weight.grad = None  # no Muon gradient: the library's step still reads the flag
+    with pytest.raises(shardmuon.torch.c.ShardmuonError, match="NON_FINITE.*step flag"):
+        optimizer.step()
+    assert torch.equal(bias.detach(), before[1])
+    assert optimizer.nonfinite_counts()["skipped_steps"] == 2
+    # Without Muon groups there is no library step: the AdamW groups' own check skips (or
+    # raises) and counts.
+    for policy in ("skip", "raise"):
+        bias_alone = torch.nn.Parameter(torch.randn(9))
+        adamw_only = st.MuonWithAdamW([{"params": [bias_alone], "use_muon": False, "lr": 1e-3}],
+                                      nonfinite=policy)
+        bias_alone.grad = torch.full((9,), float("inf"))
+        kept = bias_alone.detach().clone()
+        if policy == "raise":
+            with pytest.raises(shardmuon.torch.c.ShardmuonError, match="AdamW groups was not finite"):
+                adamw_only.step()
+        else:
+            adamw_only.step()
+        assert torch.equal(bias_alone.detach(), kept)
+        assert adamw_only.nonfinite_counts() == {"skipped_steps": 1, "skipped_params": 0}
+        bias_alone.grad = torch.ones(9)
+        adamw_only.step()
+        assert not torch.equal(bias_alone.detach(), kept)

@@ -1,4 +1,5 @@
 // The C entry points of the Muon step.
+#include <cstdint>
 #include <exception>
 #include <new>
 #include <optional>
@@ -176,6 +177,18 @@ shardmuon_status shardmuon_context_set_ns_batch_bytes(shardmuon_context_t contex
   return api_guard(__func__, [&] {
     shardmuon::backend_of(context, "context");
     context->settings.ns_batch_bytes = bytes;
+  });
+}
+
+shardmuon_status shardmuon_context_set_step_flag(shardmuon_context_t context, float* flag) {
+  return api_guard(__func__, [&] {
+    shardmuon::Backend& backend = shardmuon::backend_of(context, "context");
+    if (flag != nullptr) {
+      backend.check_pointer(flag, "flag");
+      SHARDMUON_CHECK_ARG(reinterpret_cast<uintptr_t>(flag) % alignof(float) == 0,
+                          "flag must be 4-byte aligned, got ", static_cast<const void*>(flag));
+    }
+    context->settings.step_flag = flag;
   });
 }
 

@@ -934,8 +934,15 @@ void run_muon_step(Backend& backend, Communicator& comm, const ValidatedMuonStep
   int64_t* skipped_steps = reinterpret_cast<int64_t*>(counters + kSkippedStepsOffset);
   int64_t* skipped_params = reinterpret_cast<int64_t*>(counters + kSkippedParamsOffset);
 
-  // A checked step's momentum passes flag a non-finite gradient in flags[0] as they read it.
-  if (checked) backend.fill_zero(flags, count_of_flags * sizeof(float), stream);
+  // A checked step's momentum passes flag a non-finite gradient in flags[0] as they read it;
+  // the caller's step flag starts it (shardmuon_context_set_step_flag).
+  if (checked) {
+    backend.fill_zero(flags, count_of_flags * sizeof(float), stream);
+    if (settings.step_flag != nullptr) {
+      backend.copy_2d(flags, sizeof(float), settings.step_flag, sizeof(float), sizeof(float), 1,
+                      stream);
+    }
+  }
   std::vector<MomentumPass> momentum_passes;
   for (size_t i = 0; i < step.plans.size(); ++i) {
     const MuonParamPlan& plan = step.plans[i];
@@ -1033,6 +1040,10 @@ void run_muon_step(Backend& backend, Communicator& comm, const ValidatedMuonStep
   }
   backend.commit_passes(commits, stream);
   backend.count_if_flagged(flags, skipped_steps, stream);
+  if (settings.step_flag != nullptr) {  // the verdict, summed over the ranks
+    backend.copy_2d(settings.step_flag, sizeof(float), flags, sizeof(float), sizeof(float), 1,
+                    stream);
+  }
 
   if (settings.nonfinite_policy != SHARDMUON_NONFINITE_RAISE) return;
   std::vector<float> host(count_of_flags);
@@ -1040,8 +1051,9 @@ void run_muon_step(Backend& backend, Communicator& comm, const ValidatedMuonStep
   backend.synchronize(stream);
   if (host[0] != 0.0f) {
     fail(SHARDMUON_ERROR_NON_FINITE,
-         "a gradient of the step was not finite (NaN or Inf, on this rank or another); the step "
-         "was skipped on every rank and nothing was written");
+         "a gradient of the step was not finite (NaN or Inf, on this rank or another), or a rank's "
+         "step flag was set (shardmuon_context_set_step_flag); the step was skipped on every "
+         "rank and nothing was written");
   }
   std::string bad;
   for (size_t i = 0; i < step.plans.size(); ++i) {

@@ -59,15 +59,19 @@ struct ValidatedMuonStep {
 // A context's default for StepSettings::ns_batch_bytes (256 MiB).
 constexpr size_t kDefaultNsBatchBytes = SHARDMUON_DEFAULT_NS_BATCH_BYTES;
 
-// How a context runs its steps (shardmuon_context_set_nonfinite_policy and
-// shardmuon_context_set_ns_batch_bytes). Both enter the digest the ranks agree on: the policy
-// decides the step's collectives, and the batches decide the kernels of replicated matrices,
-// which every rank must run alike to get the same bits.
+// How a context runs its steps (shardmuon_context_set_nonfinite_policy,
+// shardmuon_context_set_ns_batch_bytes and shardmuon_context_set_step_flag). The first two
+// enter the digest the ranks agree on: the policy decides the step's collectives, and the
+// batches decide the kernels of replicated matrices, which every rank must run alike to get
+// the same bits.
 struct StepSettings {
   shardmuon_nonfinite_policy nonfinite_policy = SHARDMUON_NONFINITE_SKIP;
   // The most scratch one strided batch of Newton-Schulz may take: a batch holds as many
   // matrices of one problem as fit in it, and at least one.
   size_t ns_batch_bytes = kDefaultNsBatchBytes;
+  // shardmuon_context_set_step_flag: read into a checked step's own flag before its checks and
+  // written with the step's verdict after them; not in the digest (it changes no collective).
+  float* step_flag = nullptr;
 };
 
 // The scale of the orthogonalized update for a logical rows x cols matrix.

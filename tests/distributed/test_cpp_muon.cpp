@@ -169,5 +169,46 @@ TEST_F(CppMuon, MatchesTheCApiAndResumesFromACheckpoint) {
   if (group.rank == 0) std::filesystem::remove_all(directory);
 }
 
+// The Context's non-finite settings: a step flag set on rank 0 skips the class's step on
+// every rank (counted), and under RAISE the step throws with the library's status.
+TEST_F(CppMuon, TheContextsStepFlagAndPolicySkipOrRaise) {
+  const Group& group = Harness::get().group(Harness::get().max_group_size());
+  if (!group.member) return;
+  const Harness& harness = Harness::get();
+  const shardmuon::Context context = shardmuon::Context::borrow(harness.context());
+  const shardmuon::Comm comm = shardmuon::Comm::borrow(group.comm);
+  shardmuon::Muon muon(context, comm, {shardmuon::default_muon_group()});
+  Buffer param = upload_shard(1, group, 31, 0.05);
+  const Buffer grad = upload_shard(1, group, 32);
+  const std::vector<unsigned char> before = harness.download(param);
+  muon.add_parameter("p", param.data(), kDtypes[1], layout_of(1, group));
+  const Buffer flag = harness.upload(to_bytes({group.rank == 0 ? 1.0 : 0.0}, SHARDMUON_FLOAT32));
+  struct Restore {  // the harness's context, for the tests after this one
+    const shardmuon::Context& context;
+    ~Restore() {
+      shardmuon_context_set_nonfinite_policy(context.get(), SHARDMUON_NONFINITE_SKIP);
+      shardmuon_context_set_step_flag(context.get(), nullptr);
+    }
+  } restore{context};
+  context.set_step_flag(static_cast<float*>(flag.data()));
+  const shardmuon::Context::NonfiniteCounts counts = context.nonfinite_counts();
+  muon.step({grad.data()}, harness.stream());
+  EXPECT_EQ(harness.download(param), before);
+  EXPECT_EQ(context.nonfinite_counts().skipped_steps, counts.skipped_steps + 1);
+  context.set_nonfinite_policy(SHARDMUON_NONFINITE_RAISE);
+  harness.upload_into(flag.data(), to_bytes({group.rank == 0 ? 1.0 : 0.0}, SHARDMUON_FLOAT32));
+  try {
+    muon.step({grad.data()}, harness.stream());
+    ADD_FAILURE() << "no exception";
+  } catch (const shardmuon::Error& e) {
+    EXPECT_EQ(e.status(), SHARDMUON_ERROR_NON_FINITE) << e.what();
+  }
+  EXPECT_EQ(harness.download(param), before);
+  context.set_nonfinite_policy(SHARDMUON_NONFINITE_SKIP);
+  context.set_step_flag(nullptr);
+  muon.step({grad.data()}, harness.stream());
+  EXPECT_TRUE(before.empty() || harness.download(param) != before);  // an empty shard: nothing
+}
+
 }  // namespace
 }  // namespace shardmuon_test

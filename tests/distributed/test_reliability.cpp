@@ -261,6 +261,105 @@ TEST_F(NonFinite, ProceedWritesThroughAndOtherwiseMatchesSkip) {
   EXPECT_FALSE(poisoned.all_finite(0));  // as documented: no check
 }
 
+// The step flag (shardmuon_context_set_step_flag) as another optimizer beside the step uses
+// it: set on one rank before the step, it skips the step on every rank as a NaN would; after
+// the step it holds the verdict on every rank, whichever set it (the caller's flag or a
+// gradient); PROCEED neither reads nor writes it.
+class StepFlag : public NonFinite {
+ protected:
+  float read(const Buffer& flag) const {
+    return static_cast<float>(from_bytes(Harness::get().download(flag), SHARDMUON_FLOAT32)[0]);
+  }
+  Buffer flag_of(float value) const {
+    return Harness::get().upload(to_bytes({static_cast<double>(value)}, SHARDMUON_FLOAT32));
+  }
+  void use(const Buffer& flag) const {
+    ASSERT_EQ(
+        shardmuon_context_set_step_flag(Harness::get().context(), static_cast<float*>(flag.data())),
+        SHARDMUON_SUCCESS)
+        << shardmuon_last_error();
+  }
+  void TearDown() override {
+    shardmuon_context_set_step_flag(Harness::get().context(), nullptr);
+    NonFinite::TearDown();
+  }
+};
+
+TEST_F(StepFlag, SetOnOneRankSkipsTheStepEverywhereAndHoldsTheVerdict) {
+  const Group& group = Harness::get().group(Harness::get().max_group_size());
+  if (!group.member) return;
+  const Buffer flag = flag_of(group.rank == group.size - 1 ? 1.0f : 0.0f);
+  use(flag);
+  int64_t steps0, params0, steps1, params1;
+  counts(steps0, params0);
+  NonFiniteCase c(group, false, 0.0, false);  // finite gradients everywhere
+  EXPECT_EQ(c.step(group), SHARDMUON_SUCCESS) << shardmuon_last_error();
+  EXPECT_TRUE(c.unchanged(0) && c.unchanged(1));
+  EXPECT_NE(read(flag), 0.0f) << "rank " << group.rank;
+  counts(steps1, params1);
+  EXPECT_EQ(steps1, steps0 + 1);
+  EXPECT_EQ(params1, params0);
+}
+
+TEST_F(StepFlag, ClearGivesTheStepAndAGradientSetsIt) {
+  const Group& group = Harness::get().group(Harness::get().max_group_size());
+  if (!group.member) return;
+  const Buffer flag = flag_of(0.0f);
+  use(flag);
+  NonFiniteCase plain(group, false, 0.0, false);
+  NonFiniteCase flagged(group, false, 0.0, false);
+  ASSERT_EQ(shardmuon_context_set_step_flag(Harness::get().context(), nullptr), SHARDMUON_SUCCESS);
+  ASSERT_EQ(plain.step(group), SHARDMUON_SUCCESS) << shardmuon_last_error();
+  use(flag);
+  ASSERT_EQ(flagged.step(group), SHARDMUON_SUCCESS) << shardmuon_last_error();
+  EXPECT_EQ(read(flag), 0.0f);
+  for (int i = 0; i < 2; ++i) {  // a clear flag changes nothing of the step
+    EXPECT_EQ(Harness::get().download(plain.w[i]), Harness::get().download(flagged.w[i]));
+    EXPECT_EQ(Harness::get().download(plain.m[i]), Harness::get().download(flagged.m[i]));
+  }
+  // A NaN gradient on rank 0 only: every rank's flag says the step was skipped.
+  NonFiniteCase poisoned(group, false, std::nan(""), group.rank == 0);
+  ASSERT_EQ(poisoned.step(group), SHARDMUON_SUCCESS) << shardmuon_last_error();
+  EXPECT_TRUE(poisoned.unchanged(0) && poisoned.unchanged(1));
+  EXPECT_NE(read(flag), 0.0f) << "rank " << group.rank;
+}
+
+TEST_F(StepFlag, RaiseReportsItAndProceedIgnoresIt) {
+  const Group& group = Harness::get().group(Harness::get().max_group_size());
+  if (!group.member) return;
+  const Buffer flag = flag_of(group.rank == 0 ? 1.0f : 0.0f);
+  use(flag);
+  ASSERT_EQ(
+      shardmuon_context_set_nonfinite_policy(Harness::get().context(), SHARDMUON_NONFINITE_RAISE),
+      SHARDMUON_SUCCESS);
+  NonFiniteCase raised(group, false, 0.0, false);
+  EXPECT_EQ(raised.step(group), SHARDMUON_ERROR_NON_FINITE);
+  EXPECT_NE(std::string(shardmuon_last_error()).find("step flag"), std::string::npos)
+      << shardmuon_last_error();
+  EXPECT_TRUE(raised.unchanged(0) && raised.unchanged(1));
+  ASSERT_EQ(
+      shardmuon_context_set_nonfinite_policy(Harness::get().context(), SHARDMUON_NONFINITE_PROCEED),
+      SHARDMUON_SUCCESS);
+  const Buffer unread = flag_of(7.0f);
+  use(unread);
+  NonFiniteCase proceeded(group, false, 0.0, false);
+  EXPECT_EQ(proceeded.step(group), SHARDMUON_SUCCESS) << shardmuon_last_error();
+  EXPECT_FALSE(proceeded.unchanged(0) || proceeded.unchanged(1));
+  EXPECT_EQ(read(unread), 7.0f);
+}
+
+TEST(StepFlagArguments, AMisalignedFlagIsRefusedByName) {
+  float storage[2] = {0.0f, 0.0f};
+  float* misaligned = reinterpret_cast<float*>(reinterpret_cast<char*>(storage) + 1);
+  if (Harness::get().backend() != SHARDMUON_BACKEND_CPU) GTEST_SKIP() << "host memory";
+  EXPECT_EQ(shardmuon_context_set_step_flag(Harness::get().context(), misaligned),
+            SHARDMUON_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(shardmuon_last_error()).find("flag must be 4-byte aligned"),
+            std::string::npos)
+      << shardmuon_last_error();
+  EXPECT_EQ(shardmuon_context_set_step_flag(nullptr, storage), SHARDMUON_ERROR_INVALID_ARGUMENT);
+}
+
 // Zero and tiny gradients give finite updates (eps bounds the normalization).
 TEST_F(NonFinite, ZeroAndTinyGradientsGiveFiniteUpdates) {
   const Group& group = Harness::get().group(Harness::get().max_group_size());

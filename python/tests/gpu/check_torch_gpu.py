@@ -134,6 +134,31 @@ def sharded_checks(rank, world, device):
     record("a parameter without gradient is skipped",
            torch.equal(q, before) and "momentum_buffer" not in optimizer.state[q])
 
+    # MuonWithAdamW: a NaN in an AdamW gradient on the last rank only skips Muon and AdamW on
+    # every rank (the step flag in GPU memory, all-reduced by the Muon step); the next finite
+    # step runs both.
+    weight = torch.nn.Parameter(torch.randn(96, 40, device=device))
+    weight.partition_dim = 1
+    bias = torch.nn.Parameter(torch.randn(40, device=device))
+    optimizer = st.MuonWithAdamW([{"params": [weight], "use_muon": True},
+                                  {"params": [bias], "use_muon": False, "lr": 1e-3}], lr=0.02,
+                                 process_group=dist.group.WORLD)
+    weight.grad, bias.grad = torch.randn_like(weight), torch.ones_like(bias)
+    if rank == world - 1:
+        bias.grad[3] = float("nan")
+    before = [weight.detach().clone(), bias.detach().clone()]
+    optimizer.step()
+    skipped = torch.equal(weight, before[0]) and torch.equal(bias, before[1])
+    counts = optimizer.nonfinite_counts()
+    bias.grad = torch.ones_like(bias)
+    optimizer.step()
+    stepped = not torch.equal(weight, before[0]) and not torch.equal(bias, before[1])
+    every_rank = torch.tensor(float(skipped and stepped and counts == {"skipped_steps": 1, "skipped_params": 0}),
+                              device=device)
+    dist.all_reduce(every_rank, op=dist.ReduceOp.MIN)
+    record(f"MuonWithAdamW: a NaN AdamW gradient on rank {world - 1} skips both everywhere, then both step",
+           every_rank.item() == 1.0, f"rank 0's counts {counts}")
+
     # Bad input: a CPU and a CUDA parameter; CUDA parameters with a gloo group.
     cpu = torch.nn.Parameter(torch.randn(8, 8))
     cpu.grad = torch.randn(8, 8)
