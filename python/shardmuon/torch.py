@@ -340,7 +340,8 @@ class Muon(torch.optim.Optimizer):
         super().__init__(params, defaults)  # checks each group (add_param_group)
         self.process_group = normalize_group(process_group)
         self._runtimes = Runtimes(ns_batch_bytes, c.NONFINITE_POLICIES[nonfinite])
-        self._steps_skipped_here = 0  # by a subclass, on steps that made no library call
+        # Steps a subclass skipped without a library call that counts them (a device tensor).
+        self._steps_skipped_here: Optional[torch.Tensor] = None
         self._called_library = False  # in the current step
         self._shard_sizes = _PerTensor()  # of the sharded parameters: every rank's extent
         self._seen = _PerTensor()  # the parameters whose shard sizes every rank has exchanged
@@ -748,7 +749,8 @@ class Muon(torch.optim.Optimizer):
         several process groups counts each group's call), and parameters skipped because their
         update was not finite (``skipped_params``), so far; waits for the GPU. See
         ``nonfinite``."""
-        steps, params = self._steps_skipped_here, 0
+        steps = 0 if self._steps_skipped_here is None else int(self._steps_skipped_here.item())
+        params = 0
         for context in self._runtimes.contexts():
             context_steps, context_params = context.nonfinite_counts()
             steps, params = steps + context_steps, params + context_params
@@ -1027,8 +1029,10 @@ class MuonWithAdamW(Muon):
     skips both (or raises before either writes): the AdamW gradients are checked on the GPU
     and the result passed to the Muon step as its step flag (shardmuon_context_set_step_flag),
     which says after it whether the step was skipped, on every rank of its process group.
-    Reading that before AdamW's step waits for the Muon step (one synchronization a step,
-    which "proceed" does without)."""
+    On CUDA, AdamW is torch's fused AdamW, whose kernel reads that verdict on the GPU (as it
+    reads a loss scaler's found_inf): nothing waits. Elsewhere (CPU tensors, DTensor
+    parameters in the AdamW groups, a PyTorch without fused AdamW) reading the verdict waits
+    for the Muon step, once a step; "proceed" checks nothing."""
 
     def __init__(self, param_groups: List[Dict[str, Any]], *, adamw_betas=(0.9, 0.95),
                  adamw_eps: float = 1e-8, **muon_kwargs):
@@ -1038,7 +1042,7 @@ class MuonWithAdamW(Muon):
         # torch.optim.AdamW refuses an empty list: without AdamW groups it is made when the
         # first one is added.
         adamw_groups = [self._adamw_group(g) for g in self.param_groups if not g["use_muon"]]
-        self._adam = torch.optim.AdamW(adamw_groups) if adamw_groups else None
+        self._adam = self._make_adamw(adamw_groups) if adamw_groups else None
         self._link_adam()
 
     def _with_adamw_defaults(self, group: Dict[str, Any], index: int) -> Dict[str, Any]:
@@ -1049,6 +1053,19 @@ class MuonWithAdamW(Muon):
             for key, value in self._adamw_defaults.items():
                 group.setdefault(key, value)
         return group
+
+    @staticmethod
+    def _make_adamw(groups):
+        """torch.optim.AdamW over the groups: fused when every parameter is a CUDA tensor (not
+        a DTensor) and this PyTorch has a fused AdamW, whose kernel skips on a device tensor
+        (found_inf, as loss scalers use it), so that the step's verdict needs no waiting."""
+        params = [p for g in groups for p in g["params"]]
+        if all(p.is_cuda and not is_dtensor(p) for p in params):
+            try:
+                return torch.optim.AdamW(groups, fused=True)
+            except (RuntimeError, TypeError, ValueError):  # no fused AdamW here, or not for these
+                pass
+        return torch.optim.AdamW(groups)
 
     @staticmethod
     def _adamw_group(group: Dict[str, Any]) -> Dict[str, Any]:
@@ -1063,7 +1080,7 @@ class MuonWithAdamW(Muon):
         super().add_param_group(self._with_adamw_defaults(param_group, len(self.param_groups)))
         if not self.param_groups[-1]["use_muon"]:
             if self._adam is None:
-                self._adam = torch.optim.AdamW([self._adamw_group(self.param_groups[-1])])
+                self._adam = self._make_adamw([self._adamw_group(self.param_groups[-1])])
             else:
                 self._adam.add_param_group(self._adamw_group(self.param_groups[-1]))
         self._link_adam()
@@ -1115,15 +1132,24 @@ class MuonWithAdamW(Muon):
             theirs["weight_decay"] = ours["weight_decay"]
             theirs["betas"] = ours["betas"]
             theirs["eps"] = ours["adamw_eps"]
-        if self._adamw_flag is not None and self._adamw_flag.item() != 0.0:  # waits for the step
-            if not self._called_library:  # no Muon call counted it
-                self._steps_skipped_here += 1
-                if self._nonfinite == "raise":
-                    raise c.ShardmuonError(c.ERROR_NON_FINITE, "SHARDMUON_ERROR_NON_FINITE: a gradient of the "
-                                           "AdamW groups was not finite (NaN or Inf); the step was skipped "
-                                           "and nothing was written")
+        fused = any(g.get("fused") for g in self._adam.param_groups)
+        if self._adamw_flag is None:  # "proceed", or no AdamW gradient
+            self._adam.found_inf = None
+            self._adam.step()
             return
-        self._adam.step()
+        skipped = (self._adamw_flag != 0).to(torch.float32)  # the verdict: 1.0 or 0.0
+        if not self._called_library:  # no Muon call counted it
+            counted = self._steps_skipped_here
+            self._steps_skipped_here = skipped.clone() if counted is None else counted + skipped
+            if self._nonfinite == "raise" and skipped.item() != 0.0:
+                raise c.ShardmuonError(c.ERROR_NON_FINITE, "SHARDMUON_ERROR_NON_FINITE: a gradient of the "
+                                       "AdamW groups was not finite (NaN or Inf); the step was skipped "
+                                       "and nothing was written")
+        if fused:
+            self._adam.found_inf = skipped  # the fused kernel skips on the device
+            self._adam.step()
+        elif skipped.item() == 0.0:  # waits for the Muon step
+            self._adam.step()
 
     def load_state_dict(self, state_dict):
         super().load_state_dict(state_dict)

@@ -311,6 +311,39 @@ def torch_muon_checks(device):
                f"next step's momentum {momentum:.2e} and update {step:.2e} from TorchMuon's")
 
 
+def muon_with_adamw_checks(device):
+    """MuonWithAdamW on one GPU: its AdamW is torch's fused one, skipped on the device when a
+    gradient is not finite (its step counts and moments untouched), and otherwise the same as
+    a fused torch.optim.AdamW given the finite steps only."""
+    generator = torch.Generator().manual_seed(3)
+    weight = torch.nn.Parameter(torch.randn(64, 48, generator=generator).to(device))
+    bias = torch.nn.Parameter(torch.randn(48, generator=generator).to(device))
+    optimizer = st.MuonWithAdamW([{"params": [weight], "use_muon": True},
+                                  {"params": [bias], "use_muon": False, "lr": 1e-3}], lr=0.02)
+    twin_bias = torch.nn.Parameter(bias.detach().clone())
+    twin = torch.optim.AdamW([twin_bias], lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, fused=True)
+    grads = [torch.randn(48, generator=generator).to(device) for _ in range(3)]
+    unchanged = True
+    for step, grad in enumerate(grads):
+        weight.grad, bias.grad = torch.randn(64, 48, generator=generator).to(device), grad.clone()
+        if step == 1:
+            bias.grad[5] = float("inf")
+            kept = [weight.detach().clone(), bias.detach().clone()] + [
+                v.clone() for v in optimizer.state[bias].values()]
+            optimizer.step()
+            now = [weight.detach(), bias.detach()] + list(optimizer.state[bias].values())
+            unchanged = all(torch.equal(a, b) for a, b in zip(now, kept))
+            continue
+        optimizer.step()
+        twin_bias.grad = grad.clone()
+        twin.step()
+    fused = all(g["fused"] for g in optimizer._adam.param_groups)
+    counts = optimizer.nonfinite_counts()
+    record("MuonWithAdamW: fused AdamW skipped on the GPU by an Inf, then as torch's fused AdamW",
+           fused and unchanged and torch.equal(bias, twin_bias) and counts["skipped_steps"] == 1,
+           f"fused {fused}, untouched {unchanged}, counts {counts}")
+
+
 def resumed_from(param, optimizer, optimizer_class):
     """A copy of `param` and an optimizer_class over it, of lr 0.5 until it loads `optimizer`'s
     state dict. A copy of that, as from a file: a state dict holds the live buffers, which the
@@ -346,6 +379,7 @@ def main():
     else:
         single_gpu_checks(torch.device("cuda", 0))
         torch_muon_checks(torch.device("cuda", 0))
+        muon_with_adamw_checks(torch.device("cuda", 0))
         torch.cuda.set_device(0)
         if "MASTER_ADDR" in os.environ:  # torchrun's store (its agent owns it; a TCP one would wait)
             dist.init_process_group("nccl")
