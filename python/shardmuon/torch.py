@@ -1137,7 +1137,8 @@ class MuonWithAdamW(Muon):
             self._adam.found_inf = None
             self._adam.step()
             return
-        skipped = (self._adamw_flag != 0).to(torch.float32)  # the verdict: 1.0 or 0.0
+        # The verdict as a 0-dimensional 1.0 or 0.0, the found_inf the fused kernel takes.
+        skipped = (self._adamw_flag[0] != 0).to(torch.float32)
         if not self._called_library:  # no Muon call counted it
             counted = self._steps_skipped_here
             self._steps_skipped_here = skipped.clone() if counted is None else counted + skipped
