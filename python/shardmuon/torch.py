@@ -1093,6 +1093,15 @@ class MuonWithAdamW(Muon):
         self._adam_groups = [g for g in self.param_groups if not g["use_muon"]]
         if self._adam is not None:
             self._adam.state = self.state
+            if any(g.get("fused") for g in self._adam.param_groups):
+                # A loaded state keeps a step count where it was saved or mapped to (on the
+                # CPU, by foreach AdamW or torch.load(map_location="cpu")); fused AdamW wants
+                # it on its parameter's device, in float32.
+                for group in self._adam.param_groups:
+                    for p in group["params"]:
+                        step = self.state.get(p, {}).get("step")
+                        if torch.is_tensor(step) and step.device != p.device:
+                            self.state[p]["step"] = step.to(device=p.device, dtype=torch.float32)
 
     def _check_other_steps(self):
         # torch.optim.AdamW raises on a sparse gradient (nn.Embedding(sparse=True)) only when it

@@ -342,6 +342,25 @@ def muon_with_adamw_checks(device):
     record("MuonWithAdamW: fused AdamW skipped on the GPU by an Inf, then as torch's fused AdamW",
            fused and unchanged and torch.equal(bias, twin_bias) and counts["skipped_steps"] == 1,
            f"fused {fused}, untouched {unchanged}, counts {counts}")
+    # Its state dict mapped to the CPU (torch.load(map_location="cpu"), or a foreach AdamW's
+    # CPU step counts) loads into a new one, which then steps as the original does.
+    saved = {"state": {k: {n: v.cpu() if torch.is_tensor(v) else v for n, v in entry.items()}
+                       for k, entry in optimizer.state_dict()["state"].items()},
+             "param_groups": optimizer.state_dict()["param_groups"]}
+    resumed_weight = torch.nn.Parameter(weight.detach().clone())
+    resumed_bias = torch.nn.Parameter(bias.detach().clone())
+    resumed = st.MuonWithAdamW([{"params": [resumed_weight], "use_muon": True},
+                                {"params": [resumed_bias], "use_muon": False, "lr": 1e-3}], lr=0.02)
+    try:
+        resumed.load_state_dict(saved)
+        g = torch.randn(64, 48, generator=generator).to(device), torch.randn(48, generator=generator).to(device)
+        for p, q, pair in ((weight, bias, optimizer), (resumed_weight, resumed_bias, resumed)):
+            p.grad, q.grad = g[0].clone(), g[1].clone()
+            pair.step()
+        ok, detail = torch.equal(weight, resumed_weight) and torch.equal(bias, resumed_bias), ""
+    except Exception as failure:  # noqa: BLE001 (the check reports any failure)
+        ok, detail = False, f"({failure})"
+    record("MuonWithAdamW: a state dict mapped to the CPU resumes the fused AdamW bit for bit", ok, detail)
 
 
 def resumed_from(param, optimizer, optimizer_class):
