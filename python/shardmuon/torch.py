@@ -288,8 +288,8 @@ class Muon(torch.optim.Optimizer):
     it; "raise" does the same, waits for the step's end, and raises a ShardmuonError (status
     ``ERROR_NON_FINITE``) naming what was skipped; "proceed" checks nothing (the fastest).
     ``nonfinite_counts()`` says how many steps and parameters were skipped. A step of
-    parameters in several process groups (DTensors on several mesh dimensions) skips per
-    group, and a group's skip skips the groups after it on its ranks. Another optimizer over
+    parameters in several process groups (DTensors on several mesh dimensions) makes one
+    library call per group, each skipped on its own group's gradients. Another optimizer over
     the other parameters knows nothing of it: use MuonWithAdamW, which skips both, or read the
     counts.
     """
@@ -1029,6 +1029,8 @@ class MuonWithAdamW(Muon):
     skips both (or raises before either writes): the AdamW gradients are checked on the GPU
     and the result passed to the Muon step as its step flag (shardmuon_context_set_step_flag),
     which says after it whether the step was skipped, on every rank of its process group.
+    (With several process groups a call reads the verdict of the one before it: a NaN in a
+    later group's gradients skips that call, the ones after it and AdamW, not the ones before.)
     On CUDA, AdamW is torch's fused AdamW, whose kernel reads that verdict on the GPU (as it
     reads a loss scaler's found_inf): nothing waits. Elsewhere (CPU tensors, DTensor
     parameters in the AdamW groups, a PyTorch without fused AdamW) reading the verdict waits
