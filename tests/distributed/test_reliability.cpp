@@ -7,8 +7,13 @@
 #include <cstdio>
 #include <cstdlib>
 #include <limits>
+#include <memory>
 #include <string>
 #include <vector>
+
+#ifdef SHARDMUON_TEST_WITH_CUDA
+#include <cuda_runtime.h>
+#endif
 
 #include "../common/harness.h"
 #include "../common/ns_runner.h"
@@ -347,6 +352,64 @@ TEST_F(StepFlag, RaiseReportsItAndProceedIgnoresIt) {
   EXPECT_FALSE(proceeded.unchanged(0) || proceeded.unchanged(1));
   EXPECT_EQ(read(unread), 7.0f);
 }
+
+#ifdef SHARDMUON_TEST_WITH_CUDA
+// A step captured into a CUDA graph reads the flag and writes its verdict at every replay:
+// set on rank 0 before a replay, that replay changes nothing on any rank and every rank's
+// flag says so; cleared, the next replay steps.
+TEST_F(StepFlag, ACapturedStepReadsAndWritesItAtEveryReplay) {
+  if (!Harness::get().on_gpu()) GTEST_SKIP() << "CUDA graphs";
+  if (Harness::get().comm_kind() == CommKind::kCallbacks) {
+    GTEST_SKIP() << "MpiCallbacks synchronize the stream, which a capture cannot hold";
+  }
+  const Group& group = Harness::get().group(Harness::get().max_group_size());
+  if (!group.member) return;
+  const Harness& harness = Harness::get();
+  cudaStream_t stream = static_cast<cudaStream_t>(harness.stream());
+  // A context of its own: a capture pins the context's workspace for good.
+  int device = 0;
+  ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);
+  shardmuon_context_t raw_context = nullptr;
+  ASSERT_EQ(shardmuon_context_create(SHARDMUON_BACKEND_CUDA, device, &raw_context),
+            SHARDMUON_SUCCESS)
+      << shardmuon_last_error();
+  const std::unique_ptr<shardmuon_context_s, decltype(&shardmuon_context_destroy)> context(
+      raw_context, shardmuon_context_destroy);
+  const Buffer flag = flag_of(0.0f);
+  ASSERT_EQ(shardmuon_context_set_step_flag(context.get(), static_cast<float*>(flag.data())),
+            SHARDMUON_SUCCESS)
+      << shardmuon_last_error();
+  NonFiniteCase c(group, false, 0.0, false);
+  auto step = [&] {
+    return shardmuon_muon_step(context.get(), group.comm, c.params.data(), 2, c.groups.data(), 2,
+                               stream);
+  };
+  ASSERT_TRUE(group_all(step() == SHARDMUON_SUCCESS, group.mpi)) << shardmuon_last_error();
+  cudaGraph_t graph = nullptr;
+  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess);
+  const shardmuon_status captured = step();
+  const std::string capture_error = shardmuon_last_error();
+  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+  ASSERT_TRUE(group_all(captured == SHARDMUON_SUCCESS, group.mpi)) << capture_error;
+  cudaGraphExec_t replay = nullptr;
+  ASSERT_EQ(cudaGraphInstantiate(&replay, graph, 0), cudaSuccess);
+
+  harness.synchronize();
+  const std::vector<unsigned char> before = harness.download(c.w[0]);
+  harness.upload_into(flag.data(), to_bytes({group.rank == 0 ? 1.0 : 0.0}, SHARDMUON_FLOAT32));
+  ASSERT_EQ(cudaGraphLaunch(replay, stream), cudaSuccess);
+  harness.synchronize();
+  EXPECT_EQ(harness.download(c.w[0]), before) << "a flagged replay stepped, rank " << group.rank;
+  EXPECT_NE(read(flag), 0.0f) << "rank " << group.rank;
+  harness.upload_into(flag.data(), to_bytes({0.0}, SHARDMUON_FLOAT32));
+  ASSERT_EQ(cudaGraphLaunch(replay, stream), cudaSuccess);
+  harness.synchronize();
+  EXPECT_TRUE(before.empty() || harness.download(c.w[0]) != before) << "rank " << group.rank;
+  EXPECT_EQ(read(flag), 0.0f) << "rank " << group.rank;
+  cudaGraphExecDestroy(replay);
+  cudaGraphDestroy(graph);
+}
+#endif
 
 TEST(StepFlagArguments, AMisalignedFlagIsRefusedByName) {
   float storage[2] = {0.0f, 0.0f};
