@@ -365,7 +365,10 @@ SHARDMUON_API shardmuon_status shardmuon_comm_size(shardmuon_comm_t comm, int* s
  *                                         float64 and all-reduced)
  *   for k = 0..K-1: A = X X^T; X <- a_k X + b_k A X + c_k A A X
  * computed in whichever orientation has the smaller Gram matrix (p(XX^T)X = X p(X^TX)).
- * The result equals the same computation on the gathered matrix up to rounding.
+ * The result equals the same computation on the gathered matrix up to rounding. The input is
+ * not checked for NaN or Inf (shardmuon_muon_step checks its gradients, see
+ * shardmuon_nonfinite_policy): one anywhere in U makes every element of every rank's result
+ * NaN (tested on the CPU backend, 1-4 ranks), never a result that looks valid in part.
  *
  * local_shard: this rank's shard (see shardmuon_layout), in the backend's memory, aligned to
  *   its element size. May be NULL only when the local shard is empty.

@@ -1349,7 +1349,8 @@ class NewtonSchulz:
 
     ``ns(dtensor)`` takes a 2D DTensor instead: its placements give the split and the process
     group (its cut mesh dimensions'), and each call exchanges the pieces' extents over that
-    group.
+    group. The input is not checked: a NaN or Inf anywhere makes every element of the result
+    NaN (Muon's steps check their gradients, see ``nonfinite``).
     """
 
     def __init__(self, process_group=None, *, ns_steps: int = 5, coefficient_type: str = "quintic",

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <sstream>
 #include <string>
 #include <tuple>
@@ -561,6 +562,33 @@ TEST_F(NewtonSchulzInvariants, ZeroMatrixGivesZeroNotNaN) {
         int nonzero = 0;
         for (double v : run.output_shard) nonzero += v == 0.0 ? 0 : 1;
         EXPECT_EQ(nonzero, 0) << "eps=" << eps << " " << dtype_label(dtype);
+      }
+    }
+  }
+}
+
+// The orthogonalization does not check its input (the step does, see the non-finite policy):
+// a NaN or Inf anywhere makes the norm, and through it and the products every element of
+// every rank's result, NaN, never a result that looks valid in part.
+TEST_F(NewtonSchulzInvariants, ANonFiniteElementMakesEveryElementNaN) {
+  const int p = Harness::get().max_group_size();
+  const Group& group = Harness::get().group(p);
+  if (!group.member) return;
+  const auto options = make_options(SHARDMUON_SCHEDULE_QUINTIC, 5, SHARDMUON_NS_AUTO);
+  for (const Shape& shape : {Shape{37, 53}, Shape{53, 37}, Shape{40, 40}}) {
+    for (double bad : {std::nan(""), std::numeric_limits<double>::infinity(),
+                       -std::numeric_limits<double>::infinity()}) {
+      for (shardmuon_dtype dtype : {SHARDMUON_FLOAT32, SHARDMUON_BFLOAT16}) {
+        for (shardmuon_partition partition : {SHARDMUON_SHARDED_DIM0, SHARDMUON_SHARDED_DIM1}) {
+          Matrix input = input_for(shape, dtype);
+          input.at(shape.rows - 2, 1) = bad;
+          const NsRun run = run_newton_schulz(group, input, dtype, partition, {}, options);
+          ASSERT_TRUE(all_succeeded(run, group)) << run.error;
+          int not_nan = 0;
+          for (double v : run.output_shard) not_nan += std::isnan(v) ? 0 : 1;
+          EXPECT_EQ(not_nan, 0) << shape.rows << "x" << shape.cols << " input " << bad << " "
+                                << dtype_label(dtype) << " partition " << partition;
+        }
       }
     }
   }
