@@ -106,6 +106,7 @@ void Harness::initialize(shardmuon_backend backend, CommKind comm_kind) {
   }
   shardmuon_status status = shardmuon_context_create(backend, device, &h.context_);
   require(status == SHARDMUON_SUCCESS, std::string("context: ") + shardmuon_last_error());
+  h.device_ = device;
 
   for (int size = 1; size <= max_size; ++size) {
     Group group;
@@ -244,6 +245,14 @@ double group_relative_error(const std::vector<double>& x, const std::vector<doub
 double group_max(double v, MPI_Comm group) {
   MPI_Allreduce(MPI_IN_PLACE, &v, 1, MPI_DOUBLE, MPI_MAX, group);
   return v;
+}
+
+OwnedContext Harness::own_context() const {
+  shardmuon_context_t context = nullptr;
+  if (shardmuon_context_create(backend_, device_, &context) != SHARDMUON_SUCCESS) {
+    context = nullptr;
+  }
+  return OwnedContext(context, shardmuon_context_destroy);
 }
 
 bool group_all(bool v, MPI_Comm group) {

@@ -55,6 +55,9 @@ class Buffer {
   bool on_device_ = false;
 };
 
+// A context the caller owns, destroyed with the pointer.
+using OwnedContext = std::unique_ptr<shardmuon_context_s, decltype(&shardmuon_context_destroy)>;
+
 class Harness {
  public:
   static void initialize(shardmuon_backend backend, CommKind comm_kind);
@@ -69,6 +72,10 @@ class Harness {
   int max_group_size() const { return static_cast<int>(groups_.size()); }
   const Group& group(int size) const { return groups_.at(size - 1); }
   shardmuon_context_t context() const { return context_; }
+  // A context of its own on the harness's backend and device; null if it could not be made
+  // (shardmuon_last_error() says why). For a test that captures a step into a CUDA graph,
+  // which pins its context's workspace for good.
+  OwnedContext own_context() const;
   void* stream() const { return stream_; }
   // The NCCL communicator under group(size) (CUDA runs over NCCL only).
   void* nccl_comm(int size) const { return nccl_groups_.at(size - 1); }
@@ -87,6 +94,7 @@ class Harness {
   CommKind comm_kind_ = CommKind::kNative;
   int world_rank_ = 0, world_size_ = 1;
   shardmuon_context_t context_ = nullptr;
+  int device_ = 0;  // the CUDA device of the context (0 for the CPU backend)
   void* stream_ = nullptr;
   void* nccl_world_ = nullptr;
   std::vector<void*> nccl_groups_;

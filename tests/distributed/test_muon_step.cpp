@@ -449,14 +449,8 @@ TEST_F(MuonStepBatches, CapturedStepReplaysLikeUncapturedSteps) {
   };
   // A context of its own: a capture pins the context's workspace for good, and the shared
   // context must still grow for the tests after this one (the 2085 x 2301 products).
-  int device = 0;
-  cuda_ok(cudaGetDevice(&device), "cudaGetDevice");
-  shardmuon_context_t raw_context = nullptr;
-  ASSERT_EQ(shardmuon_context_create(SHARDMUON_BACKEND_CUDA, device, &raw_context),
-            SHARDMUON_SUCCESS)
-      << shardmuon_last_error();
-  const std::unique_ptr<shardmuon_context_s, decltype(&shardmuon_context_destroy)> context(
-      raw_context, shardmuon_context_destroy);
+  const OwnedContext context = harness.own_context();
+  ASSERT_NE(context, nullptr) << shardmuon_last_error();
   for (const shardmuon_ns_algorithm algorithm : {SHARDMUON_NS_AUTO, SHARDMUON_NS_GRAM_ALLREDUCE}) {
     for_each_group(1, [&](const Group& group) {
       const int p = group.size;

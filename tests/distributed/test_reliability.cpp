@@ -7,7 +7,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <limits>
-#include <memory>
 #include <string>
 #include <vector>
 
@@ -366,15 +365,8 @@ TEST_F(StepFlag, ACapturedStepReadsAndWritesItAtEveryReplay) {
   if (!group.member) return;
   const Harness& harness = Harness::get();
   cudaStream_t stream = static_cast<cudaStream_t>(harness.stream());
-  // A context of its own: a capture pins the context's workspace for good.
-  int device = 0;
-  ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);
-  shardmuon_context_t raw_context = nullptr;
-  ASSERT_EQ(shardmuon_context_create(SHARDMUON_BACKEND_CUDA, device, &raw_context),
-            SHARDMUON_SUCCESS)
-      << shardmuon_last_error();
-  const std::unique_ptr<shardmuon_context_s, decltype(&shardmuon_context_destroy)> context(
-      raw_context, shardmuon_context_destroy);
+  const OwnedContext context = harness.own_context();  // a capture pins its workspace
+  ASSERT_NE(context, nullptr) << shardmuon_last_error();
   const Buffer flag = flag_of(0.0f);
   ASSERT_EQ(shardmuon_context_set_step_flag(context.get(), static_cast<float*>(flag.data())),
             SHARDMUON_SUCCESS)
