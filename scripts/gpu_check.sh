@@ -300,7 +300,8 @@ fi
 if [[ "$what" == "step" ]]; then
   # The whole optimizer step: the step's CUDA tests (owner per matrix, stacked matrices, Gram
   # Newton-Schulz) on 1 and 2 GPUs, then bench/bench_step.py against the PyTorch loops,
-  # bench/bench_experts.py, bench/bench_small_model.py and bench/bench_nonfinite_check.py.
+  # bench/bench_experts.py, bench/bench_small_model.py and bench/bench_nonfinite_check.py
+  # (with and without --loss-scaler).
   cuda_tests step_tests 'MuonStep*:CppMuon*:NonFinite*:*gramns*:*MultiBlock*'
   export SHARDMUON_LIBRARY="$root/$build/libshardmuon.so"
   timeout "${BENCH_TIMEOUT:-300}" torchrun --nproc_per_node="$gpus" bench/bench_step.py --out "$out" \
@@ -323,6 +324,10 @@ if [[ "$what" == "step" ]]; then
   bounded 150 python3 bench/bench_nonfinite_check.py >"$out/bench_nonfinite_check.log" 2>&1
   results+=("non-finite check benchmark (1 GPU): rc=$?")
   tail -4 "$out/bench_nonfinite_check.log"
+  # The same under float16 and a GradScaler: its protocol against its ordinary path.
+  bounded 150 python3 bench/bench_nonfinite_check.py --loss-scaler >"$out/bench_loss_scaler.log" 2>&1
+  results+=("loss scaler benchmark (1 GPU): rc=$?")
+  tail -5 "$out/bench_loss_scaler.log"
   printf '%s\n' "${results[@]}"
   exit 0
 fi

@@ -31,9 +31,16 @@ class Context:
         self.handle = handle
         if ns_batch_bytes is not None:
             c.check(c.lib.shardmuon_context_set_ns_batch_bytes(handle, ns_batch_bytes))
+        self.nonfinite_policy: Optional[int] = None  # the library's default until set
         if nonfinite_policy is not None:
-            c.check(c.lib.shardmuon_context_set_nonfinite_policy(handle, nonfinite_policy))
+            self.set_nonfinite_policy(nonfinite_policy)
         self.step_flag: Optional[torch.Tensor] = None  # see use_step_flag
+
+    def set_nonfinite_policy(self, policy: int) -> None:
+        """shardmuon_context_set_nonfinite_policy, where it changes the policy."""
+        if policy != self.nonfinite_policy:
+            c.check(c.lib.shardmuon_context_set_nonfinite_policy(self.handle, policy))
+            self.nonfinite_policy = policy
 
     def use_step_flag(self, flag: torch.Tensor) -> None:
         """Shares a one-element float32 tensor on this context's device with its steps

@@ -292,6 +292,14 @@ class Muon(torch.optim.Optimizer):
     library call per group, each skipped on its own group's gradients. Another optimizer over
     the other parameters knows nothing of it: use MuonWithAdamW, which skips both, or read the
     counts.
+
+    Under ``torch.amp.GradScaler`` (float16 training; PyTorch 2.1 and later) ``scaler.step``
+    hands the step the scale and its found_inf instead of reading found_inf on the host: the
+    step divides the gradients by the scale in place (as ``scaler.unscale_`` would) and skips
+    on found_inf on the GPU, on every rank of its process group (one rank's overflow skips
+    them all), under any ``nonfinite`` policy, and counts it; nothing waits. The scale itself
+    is the scaler's: in tensor parallelism, ranks must agree on found_inf for their scales to
+    stay equal, as for any optimizer.
     """
 
     def __init__(
@@ -756,6 +764,16 @@ class Muon(torch.optim.Optimizer):
             steps, params = steps + context_steps, params + context_params
         return {"skipped_steps": steps, "skipped_params": params}
 
+    # torch.amp.GradScaler's protocol for optimizers that handle loss scaling themselves
+    # (PyTorch 2.1 and later; earlier ones pass the scaler as an argument instead, which this
+    # step does not take, so they get GradScaler's ordinary path). Instead of unscaling the
+    # gradients and reading whether they hold an Inf or NaN on the host, which makes the host
+    # wait for the backward pass, GradScaler sets two attributes for the step: grad_scale (the
+    # scale the gradients carry, or None when scaler.unscale_ has already removed it) and
+    # found_inf (a float32 tensor, non-zero when this rank's gradients of this optimizer hold
+    # an Inf or NaN). See step().
+    _step_supports_amp_scaling = torch.__version__ >= (2, 1)
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
@@ -763,10 +781,57 @@ class Muon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._called_library = False
+        grad_scale, found_inf = getattr(self, "grad_scale", None), getattr(self, "found_inf", None)
+        # Under a loss scaler an Inf is routine (its scale was too large): the step skips on
+        # found_inf, whatever the policy, as GradScaler skips any optimizer's step.
+        self._step_policy = self._nonfinite if found_inf is None else "skip"
+        self._flag_inputs: List[torch.Tensor] = [] if found_inf is None else [found_inf]
         self._check_other_steps()
+        if grad_scale is not None:
+            self._unscale_gradients(grad_scale)
+        self._verdict = None
         self._muon_step()
         self._other_steps()
         return loss
+
+    def _unscale_gradients(self, grad_scale: torch.Tensor) -> None:
+        """Divides every gradient of this optimizer by a loss scaler's scale, in place and on
+        the device, as GradScaler.unscale_ does: times the scale's float32 reciprocal (taken in
+        float64), so that the gradients are the ones its ordinary path would step with."""
+        inverse = grad_scale.double().reciprocal().float().reshape(())
+        by_device: Dict[torch.device, List[torch.Tensor]] = {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    grad = local_tensor(p.grad)
+                    by_device.setdefault(grad.device, []).append(grad)
+        for device, grads in by_device.items():
+            factor = inverse.to(device, non_blocking=True)
+            try:
+                torch._foreach_mul_(grads, factor)
+            except (RuntimeError, TypeError):  # grads of several dtypes, or no tensor overload
+                for grad in grads:
+                    grad.mul_(factor)
+
+    def _load_step_flag(self, device: torch.device) -> Optional[torch.Tensor]:
+        """Before this step's library calls: the step flag of the context they use
+        (shardmuon_context_set_step_flag) holds the sum of this step's flag inputs (a loss
+        scaler's found_inf, MuonWithAdamW's check of its AdamW gradients), moved to `device`,
+        which the calls read as one more gradient; None where there is none (a flag left from
+        an earlier step is cleared: it holds that step's verdict)."""
+        context = self._runtimes.context(device)
+        if not self._flag_inputs:
+            if context.step_flag is not None:
+                context.step_flag.zero_()
+            return None
+        if context.step_flag is None:
+            context.use_step_flag(torch.zeros(1, dtype=torch.float32, device=device))
+        context.step_flag.copy_(self._summed_flag_inputs(device))
+        return context.step_flag
+
+    def _summed_flag_inputs(self, device: torch.device) -> torch.Tensor:
+        return torch.stack([x.to(device=device, dtype=torch.float32, non_blocking=True).reshape(())
+                            for x in self._flag_inputs]).sum()
 
     def _check_other_steps(self):
         """What a subclass checks of its other steps before the Muon step writes anything."""
@@ -779,15 +844,20 @@ class Muon(torch.optim.Optimizer):
         if reused is not None:
             device, calls = reused
             stream = _stream_of(device)
+            flag = self._load_step_flag(device)
             for context, comm, params, count, groups, _ in calls:
                 self._call_step(context, comm, params, count, groups, stream)
+            self._verdict = flag
             return
         self._step_cache = None
         entries, failure = self._collect()
-        if not entries:
+        if not entries:  # no library call: the verdict is this rank's own
+            if self._flag_inputs:
+                self._verdict = self._summed_flag_inputs(self._flag_inputs[0].device)
             return
         device = self._device(entries)
         stream = _stream_of(device)
+        flag = self._load_step_flag(device)
         # One call per process group (DTensor parameters may live on several mesh dimensions);
         # a non-finite gradient skips the parameters of its own call. The calls' arguments are
         # built and checked before the first call, so that an error found here steps none;
@@ -800,11 +870,13 @@ class Muon(torch.optim.Optimizer):
             for write_back in write_backs:
                 write_back()
             made.append((bucket, arguments))
+        self._verdict = flag
         if all(e["regroup"] is None for e in entries):
             self._step_cache = self._remember(made)
 
     def _call_step(self, context, comm, params, count, groups, stream):
         self._called_library = True
+        context.set_nonfinite_policy(c.NONFINITE_POLICIES[self._step_policy])
         status = c.lib.shardmuon_muon_step(context.handle, comm.handle, params, count, groups,
                                            len(self.param_groups), stream)
         comm.raise_callback_error()
@@ -1034,7 +1106,8 @@ class MuonWithAdamW(Muon):
     On CUDA, AdamW is torch's fused AdamW, whose kernel reads that verdict on the GPU (as it
     reads a loss scaler's found_inf): nothing waits. Elsewhere (CPU tensors, DTensor
     parameters in the AdamW groups, a PyTorch without fused AdamW) reading the verdict waits
-    for the Muon step, once a step; "proceed" checks nothing."""
+    for the Muon step, once a step; "proceed" checks nothing. Under a GradScaler (see Muon)
+    its found_inf, which covers the AdamW gradients too, takes the place of their check."""
 
     def __init__(self, param_groups: List[Dict[str, Any]], *, adamw_betas=(0.9, 0.95),
                  adamw_eps: float = 1e-8, **muon_kwargs):
@@ -1081,10 +1154,10 @@ class MuonWithAdamW(Muon):
             return
         super().add_param_group(self._with_adamw_defaults(param_group, len(self.param_groups)))
         if not self.param_groups[-1]["use_muon"]:
-            if self._adam is None:
-                self._adam = self._make_adamw([self._adamw_group(self.param_groups[-1])])
-            else:
-                self._adam.add_param_group(self._adamw_group(self.param_groups[-1]))
+            # Made anew over all AdamW groups (the state is ours, see _link_adam), so that it is
+            # fused only while every parameter can be: a fused AdamW would take a CPU or
+            # DTensor parameter's group and fail at its step.
+            self._adam = self._make_adamw([self._adamw_group(g) for g in self.param_groups if not g["use_muon"]])
         self._link_adam()
 
     def _muon_groups(self):
@@ -1117,23 +1190,11 @@ class MuonWithAdamW(Muon):
                                          "gradient, which torch.optim.AdamW does not take")
                     if p.grad is not None:
                         grads.append(local_tensor(p.grad))
-        self._adamw_flag = self._flag_adamw_gradients(grads)
-
-    def _flag_adamw_gradients(self, grads) -> Optional[torch.Tensor]:
-        """The step flag that the Muon step reads and then writes (see the class's note): set
-        to whether the AdamW gradients hold a NaN or Inf. A context's flag from an earlier step
-        is cleared, so that its stale verdict does not skip this one."""
-        device = grads[0].device if grads else None
-        for context in self._runtimes.contexts():
-            if context.step_flag is not None and context.device != device:
-                context.step_flag.zero_()
-        if self._nonfinite == "proceed" or device is None:
-            return None
-        context = self._runtimes.context(device)
-        if context.step_flag is None:
-            context.use_step_flag(torch.zeros(1, dtype=torch.float32, device=device))
-        context.step_flag.copy_(_any_nonfinite(grads, device))
-        return context.step_flag
+        # Whether the AdamW gradients hold a NaN or Inf joins the Muon step's flag (see the
+        # class's note), unless nothing is checked, or a loss scaler's found_inf, which covers
+        # every gradient of this optimizer, is there already.
+        if grads and self._step_policy != "proceed" and not self._flag_inputs:
+            self._flag_inputs.append(_any_nonfinite(grads, grads[0].device))
 
     def _other_steps(self):
         if self._adam is None:
@@ -1144,16 +1205,18 @@ class MuonWithAdamW(Muon):
             theirs["betas"] = ours["betas"]
             theirs["eps"] = ours["adamw_eps"]
         fused = any(g.get("fused") for g in self._adam.param_groups)
-        if self._adamw_flag is None:  # "proceed", or no AdamW gradient
+        if self._verdict is None:  # "proceed", or no gradient to check
             self._adam.found_inf = None
             self._adam.step()
             return
-        # The verdict as a 0-dimensional 1.0 or 0.0, the found_inf the fused kernel takes.
-        skipped = (self._adamw_flag[0] != 0).to(torch.float32)
+        # The verdict as a 0-dimensional 1.0 or 0.0 on the AdamW parameters' device, the
+        # found_inf the fused kernel takes.
+        device = next((p.device for g in self._adam.param_groups for p in g["params"]), self._verdict.device)
+        skipped = (self._verdict.reshape(-1)[0] != 0).to(device=device, dtype=torch.float32)
         if not self._called_library:  # no Muon call counted it
             counted = self._steps_skipped_here
             self._steps_skipped_here = skipped.clone() if counted is None else counted + skipped
-            if self._nonfinite == "raise" and skipped.item() != 0.0:
+            if self._step_policy == "raise" and skipped.item() != 0.0:
                 raise c.ShardmuonError(c.ERROR_NON_FINITE, "SHARDMUON_ERROR_NON_FINITE: a gradient of the "
                                        "AdamW groups was not finite (NaN or Inf); the step was skipped "
                                        "and nothing was written")

@@ -448,3 +448,29 @@ def _adamw_nonfinite_on_one_rank(rank, world):
 @pytest.mark.parametrize("world", [2, 3])
 def test_an_adamw_nonfinite_gradient_on_one_rank_skips_the_step_everywhere(world):
     launch(_adamw_nonfinite_on_one_rank, world)
+
+
+def _loss_scaler_found_inf_on_one_rank(rank, world):
+    """A loss scaler's found_inf set on the first rank only (its shard overflowed) skips the
+    step on every rank, which the scaler's ordinary path, skipping step() on that rank alone,
+    cannot: the flag's all-reduce carries it."""
+    generator = torch.Generator().manual_seed(19)
+    w = torch.randn(20, 30, generator=generator, dtype=torch.float64)
+    sizes = split(20, WEIGHTS[world])
+    weight = torch.nn.Parameter(shard_of(w, 0, sizes, rank))
+    weight.partition_dim = 0
+    optimizer = st.Muon([weight], lr=0.02, process_group=dist.group.WORLD)
+    weight.grad = shard_of(torch.randn(20, 30, generator=generator, dtype=torch.float64), 0, sizes, rank)
+    before = weight.detach().clone()
+    for found in ([1.0] + [0.0] * (world - 1), [0.0] * world):
+        optimizer.grad_scale, optimizer.found_inf = torch.tensor(8.0), torch.tensor(found[rank])
+        optimizer.step()
+        del optimizer.grad_scale, optimizer.found_inf
+        skipped = found[0] != 0.0
+        assert torch.equal(weight.detach(), before) == (skipped or weight.numel() == 0), rank
+    assert optimizer.nonfinite_counts() == {"skipped_steps": 1, "skipped_params": 0}, rank
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_loss_scalers_found_inf_on_one_rank_skips_the_step_everywhere(world):
+    launch(_loss_scaler_found_inf_on_one_rank, world)

@@ -861,3 +861,95 @@ def test_muon_with_adamw_raises_on_an_adamw_gradient_before_writing_and_counts_a
         bias_alone.grad = torch.ones(9)
         adamw_only.step()
         assert not torch.equal(bias_alone.detach(), kept)
+
+
+def _step_as_a_loss_scaler_does(optimizer, grad_scale, found_inf):
+    """What torch.amp.GradScaler.step does for an optimizer with _step_supports_amp_scaling
+    (PyTorch 2.1 and later): the two attributes, the step, the attributes removed."""
+    optimizer.grad_scale, optimizer.found_inf = grad_scale, found_inf
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.grad_scale, optimizer.found_inf
+
+
+def _scaled_pair(kind, seed, **options):
+    if kind == "muon":
+        generator = torch.Generator().manual_seed(seed)
+        weight = torch.nn.Parameter(torch.randn(6, 9, generator=generator))
+        return [weight], st.Muon([weight], lr=0.02, **options)
+    weight, bias, optimizer = _muon_with_adamw_pair(seed, **options)
+    return [weight, bias], optimizer
+
+
+@pytest.mark.parametrize("kind", ["muon", "muon_with_adamw"])
+@pytest.mark.parametrize("policy", ["skip", "raise", "proceed"])
+def test_a_loss_scalers_scale_is_removed_and_its_found_inf_skips_the_step(kind, policy):
+    assert st.Muon._step_supports_amp_scaling == (torch.__version__ >= (2, 1))
+    params, optimizer = _scaled_pair(kind, 11, nonfinite=policy)
+    twins, twin = _scaled_pair(kind, 11, nonfinite=policy)
+    scale, clear, found = torch.tensor(1024.0), torch.tensor(0.0), torch.tensor(1.0)
+    for seed in (1, 2):  # scaled gradients (by a power of two: unscaled exactly) step as unscaled ones
+        _set_grads(params, seed)
+        _set_grads(twins, seed)
+        for p in params:
+            p.grad.mul_(1024.0)
+        _step_as_a_loss_scaler_does(optimizer, scale, clear)
+        twin.step()
+        for p, t in zip(params, twins):
+            assert torch.equal(p.grad, t.grad)  # unscaled in place, as GradScaler.unscale_ does
+            assert torch.equal(p.detach(), t.detach())
+    # found_inf skips the step, finite gradients or not, under every policy (raise too: an
+    # overflow is the scaler's routine signal), and counts it.
+    before = [p.detach().clone() for p in params]
+    state = [{k: v.clone() for k, v in optimizer.state[p].items()} for p in params]
+    _set_grads(params, 3, poison=0)
+    _step_as_a_loss_scaler_does(optimizer, scale, found)
+    _set_grads(params, 3)
+    _step_as_a_loss_scaler_does(optimizer, scale, found)
+    for p, b, s in zip(params, before, state):
+        assert torch.equal(p.detach(), b)
+        assert all(torch.equal(v, s[k]) for k, v in optimizer.state[p].items())
+    assert optimizer.nonfinite_counts() == {"skipped_steps": 2, "skipped_params": 0}
+    # The verdict is cleared for the next step; after scaler.unscale_ (grad_scale None) the
+    # gradients are taken as they are.
+    _set_grads(params, 4)
+    _set_grads(twins, 4)
+    _step_as_a_loss_scaler_does(optimizer, None, clear)
+    twin.step()
+    assert all(torch.equal(p.detach(), t.detach()) for p, t in zip(params, twins))
+    # Without a scaler the policy is the optimizer's own again.
+    _set_grads(params, 5, poison=0)
+    if policy == "raise":
+        with pytest.raises(shardmuon.torch.c.ShardmuonError, match="NON_FINITE"):
+            optimizer.step()
+    else:
+        optimizer.step()
+    assert torch.isfinite(params[0].detach()).all() == (policy != "proceed")
+
+
+@pytest.mark.skipif(not hasattr(torch, "amp") or not hasattr(torch.amp, "GradScaler"),
+                    reason="torch.amp.GradScaler (PyTorch 2.3+) runs on the CPU; this PyTorch has none")
+def test_a_cpu_grad_scaler_steps_as_its_ordinary_path_does():
+    """torch.amp.GradScaler("cpu") through the protocol against the same scaler's ordinary
+    path (the optimizer's _step_supports_amp_scaling turned off): the same parameters and the
+    same scale after steps that include an overflow."""
+    runs = []
+    for protocol in (True, False):
+        params, optimizer = _scaled_pair("muon_with_adamw", 12)
+        optimizer._step_supports_amp_scaling = protocol
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=2)
+        for seed in range(5):
+            optimizer.zero_grad()
+            generator = torch.Generator().manual_seed(seed)
+            x = torch.randn(4, 6, generator=generator)
+            loss = ((x @ params[0]) + params[1]).square().mean()
+            scaler.scale(loss).backward()
+            if seed == 2:
+                params[1].grad[0] = float("inf")
+            scaler.step(optimizer)
+            scaler.update()
+        runs.append(([p.detach().clone() for p in params], scaler.get_scale()))
+    (ours, our_scale), (theirs, their_scale) = runs
+    assert our_scale == their_scale
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs))

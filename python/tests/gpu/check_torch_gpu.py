@@ -19,6 +19,7 @@ Prints one line per check and a summary; exits 1 if any failed.
 import copy
 import os
 import sys
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -159,6 +160,21 @@ def sharded_checks(rank, world, device):
     record(f"MuonWithAdamW: a NaN AdamW gradient on rank {world - 1} skips both everywhere, then both step",
            every_rank.item() == 1.0, f"rank 0's counts {counts}")
 
+    # A loss scaler's found_inf on the first rank only (its shard overflowed) skips the step on
+    # every rank (GradScaler's own path would step the others; see loss_scaler_checks).
+    weight = torch.nn.Parameter(torch.randn(96, 40, device=device))
+    weight.partition_dim = 0
+    optimizer = st.Muon([weight], lr=0.02, process_group=dist.group.WORLD)
+    weight.grad = torch.randn_like(weight)
+    before = weight.detach().clone()
+    optimizer.grad_scale = torch.tensor(4.0, device=device)
+    optimizer.found_inf = torch.tensor(1.0 if rank == 0 else 0.0, device=device)
+    optimizer.step()
+    del optimizer.grad_scale, optimizer.found_inf
+    every_rank = torch.tensor(float(torch.equal(weight, before)), device=device)
+    dist.all_reduce(every_rank, op=dist.ReduceOp.MIN)
+    record("Muon: a loss scaler's found_inf on rank 0 alone skips the step everywhere", every_rank.item() == 1.0)
+
     # Bad input: a CPU and a CUDA parameter; CUDA parameters with a gloo group.
     cpu = torch.nn.Parameter(torch.randn(8, 8))
     cpu.grad = torch.randn(8, 8)
@@ -211,6 +227,37 @@ def dtensor_checks(rank, world, device):
         record(f"DTensor {'x'.join(map(str, shape))} {placement} {str(dtype)[6:]} on {world} rank(s), rank 0's "
                f"piece {tuple(p.to_local().shape)}", error < tolerance[dtype],
                f"error {error:.2e} (tolerance {tolerance[dtype]:.0e})")
+    # MuonWithAdamW over DTensor parameters (its AdamW then not fused: the verdict read on the
+    # host): a NaN in the last rank's piece of the replicated bias's gradient skips both
+    # everywhere; then both step, the bias as torch's AdamW on the plain tensor.
+    generator = torch.Generator().manual_seed(700)
+    weight_whole = torch.randn(96, 160, generator=generator).to(device)
+    weight = torch.nn.Parameter(distribute_tensor(weight_whole, mesh, [Shard(1)]))
+    bias_whole = torch.randn(160, generator=generator).to(device)
+    bias = torch.nn.Parameter(distribute_tensor(bias_whole, mesh, [Replicate()]))
+    plain_bias = torch.nn.Parameter(bias_whole.clone())
+    optimizer = st.MuonWithAdamW([{"params": [weight], "use_muon": True},
+                                  {"params": [bias], "use_muon": False, "lr": 1e-3}], lr=0.02)
+    plain = torch.optim.AdamW([plain_bias], lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    weight.grad = distribute_tensor(torch.randn(96, 160, generator=generator).to(device), mesh, [Shard(1)])
+    bias_grad = torch.randn(160, generator=generator).to(device)
+    bias.grad = distribute_tensor(bias_grad.clone(), mesh, [Replicate()])  # on one rank, not a copy
+    if rank == world - 1:
+        bias.grad.to_local()[2] = float("nan")
+    before = [weight.full_tensor().clone(), bias.to_local().clone()]
+    optimizer.step()
+    skipped = torch.equal(weight.full_tensor(), before[0]) and torch.equal(bias.to_local(), before[1])
+    bias.grad = distribute_tensor(bias_grad.clone(), mesh, [Replicate()])
+    optimizer.step()
+    plain_bias.grad = bias_grad.clone()
+    plain.step()
+    error = reference.relative_error(bias.to_local().cpu().double(), plain_bias.detach().cpu().double())
+    every_rank = torch.tensor(float(skipped and not torch.equal(weight.full_tensor(), before[0]) and error < 1e-6),
+                              device=device)
+    dist.all_reduce(every_rank, op=dist.ReduceOp.MIN)
+    record(f"MuonWithAdamW over DTensors on {world} rank(s): a NaN on rank {world - 1} skips both, then both step",
+           every_rank.item() == 1.0, f"fused {optimizer._adam.param_groups[0].get('fused')}, bias error {error:.1e}")
+
     ns = st.NewtonSchulz()
     generator = torch.Generator().manual_seed(600)
     whole = torch.randn(333, 1000, generator=generator, dtype=torch.float64)
@@ -363,6 +410,73 @@ def muon_with_adamw_checks(device):
     record("MuonWithAdamW: a state dict mapped to the CPU resumes the fused AdamW bit for bit", ok, detail)
 
 
+def loss_scaler_checks(device):
+    """torch.amp.GradScaler with float16 autocast: through the optimizer's protocol
+    (_step_supports_amp_scaling: the step unscales and skips on the device) against the same
+    scaler's ordinary path (unscale_, found_inf read on the host, step() skipped): the same
+    weights and scale after steps that include an overflow, and the protocol's steps wait for
+    nothing (under torch.cuda.set_sync_debug_mode("warn") a synchronizing call warns). Then a CPU
+    AdamW group added to a fused AdamW's optimizer: it steps, and a NaN in its gradient skips the
+    CUDA parameters too."""
+    runs = {}
+    for protocol in (True, False):
+        torch.manual_seed(4)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.GELU(), torch.nn.Linear(96, 32)).to(device)
+        optimizer = st.MuonWithAdamW(st.muon_param_groups(model, muon_lr=0.02, adamw_lr=1e-3))
+        optimizer._step_supports_amp_scaling = protocol
+        scaler = torch.amp.GradScaler("cuda", init_scale=2.0 ** 12, growth_interval=3)
+        synced = []
+        for step in range(8):
+            x = torch.randn(16, 64, device=device)
+            with torch.autocast("cuda", dtype=torch.float16):
+                loss = model(x).float().square().mean()
+            optimizer.zero_grad(set_to_none=True)
+            scaler.scale(loss).backward()
+            if step == 4:
+                model[0].bias.grad[0] = float("inf")  # an overflow in an AdamW gradient
+            if step == 6:
+                model[2].weight.grad[1, 1] = float("nan")  # and in a Muon one
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn" if step >= 2 else "default")
+                try:
+                    scaler.step(optimizer)
+                    scaler.update()
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            if step >= 2 and any("synchroniz" in str(w.message) for w in caught):
+                synced.append(step)
+        runs[protocol] = ([p.detach().clone() for p in model.parameters()], scaler.get_scale(),
+                          optimizer.nonfinite_counts(), synced)
+    ours, theirs = runs[True], runs[False]
+    same = all(torch.equal(a, b) for a, b in zip(ours[0], theirs[0])) and ours[1] == theirs[1]
+    record("GradScaler: the protocol steps as the scaler's ordinary path, overflows included",
+           same and ours[2]["skipped_steps"] == 2, f"scale {ours[1]} vs {theirs[1]}, counts {ours[2]}")
+    record("GradScaler: the protocol's steps do not synchronize (the ordinary path's do)",
+           not ours[3] and bool(theirs[3]), f"synchronized at steps {ours[3]} vs {theirs[3]}")
+
+    weight = torch.nn.Parameter(torch.randn(32, 24, device=device))
+    bias = torch.nn.Parameter(torch.randn(24, device=device))
+    optimizer = st.MuonWithAdamW([{"params": [weight], "use_muon": True},
+                                  {"params": [bias], "use_muon": False, "lr": 1e-3}], lr=0.02)
+    on_cpu = torch.nn.Parameter(torch.randn(7))
+    optimizer.add_param_group({"params": [on_cpu], "use_muon": False, "lr": 1e-3})
+    weight.grad, bias.grad, on_cpu.grad = torch.randn_like(weight), torch.randn_like(bias), torch.randn(7)
+    kept = on_cpu.detach().clone()
+    try:
+        optimizer.step()
+        ok, detail = not torch.equal(on_cpu, kept), ""
+        # A NaN in the CPU gradient skips the CUDA Muon step too (the check moved to its device).
+        on_cpu.grad[3] = float("nan")
+        kept = [weight.detach().clone(), bias.detach().clone(), on_cpu.detach().clone()]
+        optimizer.step()
+        skipped = all(torch.equal(a, b) for a, b in zip((weight, bias, on_cpu), kept))
+        ok, detail = ok and skipped, f"skipped {skipped}, counts {optimizer.nonfinite_counts()}"
+    except Exception as failure:  # noqa: BLE001 (the check reports any failure)
+        ok, detail = False, f"({failure})"
+    record("MuonWithAdamW: a CPU AdamW group added to a fused AdamW steps, and its NaN skips all", ok, detail)
+
+
 def resumed_from(param, optimizer, optimizer_class):
     """A copy of `param` and an optimizer_class over it, of lr 0.5 until it loads `optimizer`'s
     state dict. A copy of that, as from a file: a state dict holds the live buffers, which the
@@ -399,6 +513,7 @@ def main():
         single_gpu_checks(torch.device("cuda", 0))
         torch_muon_checks(torch.device("cuda", 0))
         muon_with_adamw_checks(torch.device("cuda", 0))
+        loss_scaler_checks(torch.device("cuda", 0))
         torch.cuda.set_device(0)
         if "MASTER_ADDR" in os.environ:  # torchrun's store (its agent owns it; a TCP one would wait)
             dist.init_process_group("nccl")
