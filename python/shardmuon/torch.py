@@ -787,12 +787,20 @@ class Muon(torch.optim.Optimizer):
         self._step_policy = self._nonfinite if found_inf is None else "skip"
         self._flag_inputs: List[torch.Tensor] = [] if found_inf is None else [found_inf]
         self._check_other_steps()
-        if grad_scale is not None:
-            self._unscale_gradients(grad_scale)
+        self._grad_scale = grad_scale  # removed just before the first write (_unscale_once)
         self._verdict = None
         self._muon_step()
+        self._unscale_once()
         self._other_steps()
         return loss
+
+    def _unscale_once(self) -> None:
+        """Removes a loss scaler's scale from the gradients, once a step, just before the
+        first library call (or AdamW's step): after every argument has been checked, so that a
+        step refused for bad input leaves the gradients as they were."""
+        if self._grad_scale is not None:
+            self._unscale_gradients(self._grad_scale)
+            self._grad_scale = None
 
     def _unscale_gradients(self, grad_scale: torch.Tensor) -> None:
         """Divides every gradient of this optimizer by a loss scaler's scale, in place and on
@@ -875,6 +883,7 @@ class Muon(torch.optim.Optimizer):
             self._step_cache = self._remember(made)
 
     def _call_step(self, context, comm, params, count, groups, stream):
+        self._unscale_once()
         self._called_library = True
         context.set_nonfinite_policy(c.NONFINITE_POLICIES[self._step_policy])
         status = c.lib.shardmuon_muon_step(context.handle, comm.handle, params, count, groups,

@@ -928,6 +928,16 @@ def test_a_loss_scalers_scale_is_removed_and_its_found_inf_skips_the_step(kind, 
     assert torch.isfinite(params[0].detach()).all() == (policy != "proceed")
 
 
+def test_a_scaled_step_refused_for_bad_input_leaves_the_gradients_scaled():
+    good = torch.nn.Parameter(torch.randn(6, 9))
+    bad = torch.nn.Parameter(torch.randn(6, 9).half())
+    optimizer = st.Muon([good, bad], lr=0.02)
+    good.grad, bad.grad = torch.full((6, 9), 1024.0), torch.full((6, 9), 1024.0).half()
+    with pytest.raises(TypeError, match="float16"):
+        _step_as_a_loss_scaler_does(optimizer, torch.tensor(1024.0), torch.tensor(0.0))
+    assert torch.equal(good.grad, torch.full((6, 9), 1024.0)) and torch.equal(bad.grad.float(), good.grad)
+
+
 @pytest.mark.skipif(not hasattr(torch, "amp") or not hasattr(torch.amp, "GradScaler"),
                     reason="torch.amp.GradScaler (PyTorch 2.3+) runs on the CPU; this PyTorch has none")
 def test_a_cpu_grad_scaler_steps_as_its_ordinary_path_does():
