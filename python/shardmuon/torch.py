@@ -764,14 +764,14 @@ class Muon(torch.optim.Optimizer):
             steps, params = steps + context_steps, params + context_params
         return {"skipped_steps": steps, "skipped_params": params}
 
-    # torch.amp.GradScaler's protocol for optimizers that handle loss scaling themselves
-    # (PyTorch 2.1 and later; earlier ones pass the scaler as an argument instead, which this
-    # step does not take, so they get GradScaler's ordinary path). Instead of unscaling the
-    # gradients and reading whether they hold an Inf or NaN on the host, which makes the host
-    # wait for the backward pass, GradScaler sets two attributes for the step: grad_scale (the
-    # scale the gradients carry, or None when scaler.unscale_ has already removed it) and
-    # found_inf (a float32 tensor, non-zero when this rank's gradients of this optimizer hold
-    # an Inf or NaN). See step().
+    # torch.amp.GradScaler's protocol for optimizers that handle loss scaling themselves,
+    # declared from PyTorch 2.1 (PyTorch 1.x's GradScaler passes itself as a step() argument
+    # instead, which this step does not take: there the scaler's ordinary path runs). Instead
+    # of unscaling the gradients and reading whether they hold an Inf or NaN on the host, which
+    # makes the host wait for the backward pass, GradScaler sets two attributes for the step:
+    # grad_scale (the scale the gradients carry, or None when scaler.unscale_ has already
+    # removed it) and found_inf (a float32 tensor, non-zero when this rank's gradients of this
+    # optimizer hold an Inf or NaN). See step().
     _step_supports_amp_scaling = torch.__version__ >= (2, 1)
 
     @torch.no_grad()
