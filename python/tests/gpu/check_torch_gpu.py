@@ -10,9 +10,11 @@ and dtype for 3 steps with the learning rate changed every step, against the flo
 reference on the whole matrices; a parameter without gradient; the errors for a CPU/CUDA mix
 and for a gloo group.
 On 1 GPU: against torch.optim.Muon where the settings coincide, and TorchMuon against it
-given the same arguments, its state dict loaded into TorchMuon. On both: DTensor parameters
+given the same arguments, its state dict loaded into TorchMuon; MuonWithAdamW's fused AdamW;
+torch.amp.GradScaler's protocol against its ordinary path. On both: DTensor parameters
 and NewtonSchulz on a DTensor, on a CUDA device mesh of every rank (rows and columns split by
-DTensor's own chunking, replicated, and an expert stack's rows), against the reference.
+DTensor's own chunking, replicated, and an expert stack's rows), against the reference;
+MuonWithAdamW and GradScaler over DTensors; non-finite gradients on one rank.
 Prints one line per check and a summary; exits 1 if any failed.
 """
 
@@ -257,6 +259,36 @@ def dtensor_checks(rank, world, device):
     dist.all_reduce(every_rank, op=dist.ReduceOp.MIN)
     record(f"MuonWithAdamW over DTensors on {world} rank(s): a NaN on rank {world - 1} skips both, then both step",
            every_rank.item() == 1.0, f"fused {optimizer._adam.param_groups[0].get('fused')}, bias error {error:.1e}")
+
+    # GradScaler over DTensor parameters (float16 autocast): the protocol against the scaler's
+    # ordinary path, an overflow on every rank at step 2 (on one rank only, the ordinary path
+    # would call step() on the others alone).
+    runs = {}
+    for protocol in (True, False):
+        generator = torch.Generator().manual_seed(800)
+        w1 = torch.nn.Parameter(distribute_tensor((0.1 * torch.randn(96, 64, generator=generator)).to(device),
+                                                  mesh, [Shard(0)]))
+        w2 = torch.nn.Parameter(distribute_tensor((0.1 * torch.randn(32, 96, generator=generator)).to(device),
+                                                  mesh, [Shard(1)]))
+        optimizer = st.Muon([w1, w2], lr=0.02)
+        optimizer._step_supports_amp_scaling = protocol
+        scaler = torch.amp.GradScaler("cuda", init_scale=2.0 ** 12)
+        for step in range(5):
+            x = torch.randn(8, 64, generator=generator).to(device)
+            with torch.autocast("cuda", dtype=torch.float16):
+                y = torch.nn.functional.linear(torch.nn.functional.linear(x, w1.full_tensor()), w2.full_tensor())
+            optimizer.zero_grad(set_to_none=True)
+            scaler.scale(y.float().square().mean()).backward()
+            if step == 2:
+                w1.grad.to_local()[0, 0] = float("inf")
+            scaler.step(optimizer)
+            scaler.update()
+        runs[protocol] = ([w1.full_tensor(), w2.full_tensor()], scaler.get_scale(), optimizer.nonfinite_counts())
+    same = all(torch.equal(a, b) for a, b in zip(runs[True][0], runs[False][0])) and runs[True][1] == runs[False][1]
+    every_rank = torch.tensor(float(same and runs[True][2]["skipped_steps"] == 1), device=device)
+    dist.all_reduce(every_rank, op=dist.ReduceOp.MIN)
+    record(f"GradScaler over DTensors on {world} rank(s): the protocol steps as its ordinary path, overflow included",
+           every_rank.item() == 1.0, f"scale {runs[True][1]} vs {runs[False][1]}, counts {runs[True][2]}")
 
     ns = st.NewtonSchulz()
     generator = torch.Generator().manual_seed(600)
