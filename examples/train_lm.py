@@ -7,6 +7,7 @@ writes the loss curves to a CSV and a PNG.
     python3 examples/train_lm.py                       # CPU, one process, a few minutes
     python3 examples/train_lm.py --tp 2                # tensor parallel over 2 processes
     torchrun --nproc_per_node=2 examples/train_lm.py   # the same, launched by torchrun
+    python3 examples/train_lm.py --amp fp16            # on a GPU: float16 autocast, GradScaler
 
 Under torchrun the attention and MLP matrices are tensor-parallel (Megatron style: q, k, v
 and the first MLP layer split by output rows, the attention output and the second MLP layer
@@ -218,14 +219,24 @@ def train(name, args, text, device, log):
         return min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps))
 
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine)
+    # Mixed precision: bf16 autocast needs nothing more; float16's narrow range needs loss
+    # scaling, whose GradScaler hands the Muon step its scale and found_inf on the GPU.
+    amp_dtype = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.amp]
+    scaler = make_grad_scaler() if args.amp == "fp16" else None
     rows, start = [], time.time()
     tokens_per_step = args.batch * args.seq
     for step in range(1, args.steps + 1):
         x, y = batches.sample(batches.train)
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        with torch.autocast(device.type, dtype=amp_dtype or torch.bfloat16, enabled=amp_dtype is not None):
+            loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
+        if scaler is None:
+            loss.backward()
+            optimizer.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)  # skipped on every rank where a gradient overflowed
+            scaler.update()
         schedule.step()
         if step % args.log_every == 0 or step == args.steps:
             if device.type == "cuda":
@@ -240,6 +251,13 @@ def train(name, args, text, device, log):
                 + (f"  val {val:.4f}" if not math.isnan(val) else "")
                 + f"  {rate:8.0f} tok/s  {left:6.1f} s left")
     return rows
+
+
+def make_grad_scaler():
+    amp = getattr(torch, "amp", None)
+    if amp is not None and hasattr(amp, "GradScaler"):
+        return amp.GradScaler("cuda")
+    return torch.cuda.amp.GradScaler()  # PyTorch before 2.3
 
 
 def plot(rows, path: Path):
@@ -283,7 +301,16 @@ def main():
     parser.add_argument("--tp", type=int, default=1,
                         help="tensor-parallel size: launches that many processes (GPUs if there are "
                              "enough, else CPU processes over gloo); under torchrun, its world size")
+    parser.add_argument("--amp", choices=("none", "bf16", "fp16"), default="none",
+                        help="autocast dtype of the forward pass; fp16 adds a GradScaler (CUDA only)")
     args = parser.parse_args()
+    if args.amp == "fp16" and (args.device == "cpu" or not torch.cuda.is_available()):
+        parser.error("--amp fp16 needs a GPU (its GradScaler is CUDA's here); bf16 runs on the CPU too")
+    if args.amp == "fp16" and max(args.tp, int(os.environ.get("WORLD_SIZE", 1))) > 1:
+        # Each rank's scaler would update its scale from its own found_inf: tensor-parallel
+        # ranks need one they agree on (Megatron's scaler all-reduces it), else their scales,
+        # and so the gradients they sum, part ways.
+        parser.error("--amp fp16 runs with --tp 1 only: a GradScaler's scale is per rank")
     if args.tp > 1 and "WORLD_SIZE" not in os.environ:
         import socket
 
