@@ -957,6 +957,9 @@ def test_a_cpu_grad_scaler_steps_as_its_ordinary_path_does():
             scaler.scale(loss).backward()
             if seed == 2:
                 params[1].grad[0] = float("inf")
+            if seed == 3:  # clipped after unscale_: the step gets no grad_scale
+                scaler.unscale_(optimizer)
+                torch.nn.utils.clip_grad_norm_(params, 0.5)
             scaler.step(optimizer)
             scaler.update()
         runs.append(([p.detach().clone() for p in params], scaler.get_scale()))

@@ -446,10 +446,10 @@ def loss_scaler_checks(device):
     """torch.amp.GradScaler with float16 autocast: through the optimizer's protocol
     (_step_supports_amp_scaling: the step unscales and skips on the device) against the same
     scaler's ordinary path (unscale_, found_inf read on the host, step() skipped): the same
-    weights and scale after steps that include an overflow, and the protocol's steps wait for
-    nothing (under torch.cuda.set_sync_debug_mode("warn") a synchronizing call warns). Then a CPU
-    AdamW group added to a fused AdamW's optimizer: it steps, and a NaN in its gradient skips the
-    CUDA parameters too."""
+    weights and scale after steps that include overflows and clipping after unscale_, and the
+    protocol's steps wait for nothing (under torch.cuda.set_sync_debug_mode("warn") a
+    synchronizing call warns). Then a CPU AdamW group added to a fused AdamW's optimizer: it
+    steps, and a NaN in its gradient skips the CUDA parameters too."""
     runs = {}
     for protocol in (True, False):
         torch.manual_seed(4)
@@ -468,6 +468,9 @@ def loss_scaler_checks(device):
                 model[0].bias.grad[0] = float("inf")  # an overflow in an AdamW gradient
             if step == 6:
                 model[2].weight.grad[1, 1] = float("nan")  # and in a Muon one
+            if step in (3, 6):  # gradients clipped after unscale_: the step gets no grad_scale
+                scaler.unscale_(optimizer)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 torch.cuda.set_sync_debug_mode("warn" if step >= 2 else "default")
