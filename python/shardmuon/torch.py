@@ -298,8 +298,11 @@ class Muon(torch.optim.Optimizer):
     step divides the gradients by the scale in place (as ``scaler.unscale_`` would) and skips
     on found_inf on the GPU, on every rank of its process group (one rank's overflow skips
     them all), under any ``nonfinite`` policy, and counts it; nothing waits. The scale itself
-    is the scaler's: in tensor parallelism, ranks must agree on found_inf for their scales to
-    stay equal, as for any optimizer.
+    is the scaler's, updated from each rank's own found_inf: where ranks hold different
+    gradients (tensor parallelism, FSDP), their scales stay equal only if the scaler agrees
+    found_inf across them. FSDP's ShardedGradScaler does so in ``unscale_``, which this
+    protocol skips: call ``scaler.unscale_(optimizer)`` before ``scaler.step(optimizer)``
+    there (as gradient clipping does anyway).
     """
 
     def __init__(
