@@ -282,6 +282,25 @@ SHARDMUON_API shardmuon_status shardmuon_context_nonfinite_counts(shardmuon_cont
 SHARDMUON_API shardmuon_status shardmuon_context_set_step_flag(shardmuon_context_t context,
                                                                float* flag);
 
+/* For a step whose parameters are split over several communicators (a device mesh's
+ * dimensions: one shardmuon_muon_step per communicator): sums the context's step flag over the
+ * ranks of comm, in stream order, once the ranks have agreed that each of them makes this call
+ * under the same non-finite policy. Made over each communicator in turn, before the first
+ * step, with the flag holding whether anything of this rank's whole step is not finite, it
+ * leaves every rank of a mesh the same flag (for communicators along its dimensions), so that
+ * all the steps skip or none does: without it, a step reads only its own communicator's
+ * gradients and the verdicts of the steps before it, and the steps before a non-finite
+ * gradient's would already have written. A rank that failed before this call makes the others'
+ * fail instead by calling shardmuon_muon_step with a negative num_params here (the others return
+ * SHARDMUON_ERROR_PEER_FAILED): so a failure found on one rank ends the whole step on every rank
+ * before anything is written, instead of stranding the ranks of the later communicators.
+ * Under PROCEED only the agreement is made. A checked policy needs a step flag
+ * (shardmuon_context_set_step_flag). Captured into a CUDA graph, the ranks cannot compare
+ * (the steps captured after it compare themselves with their last uncaptured step). */
+SHARDMUON_API shardmuon_status shardmuon_context_reduce_step_flag(shardmuon_context_t context,
+                                                                  shardmuon_comm_t comm,
+                                                                  void* stream);
+
 /* Bytes of workspace the context currently holds. */
 SHARDMUON_API shardmuon_status shardmuon_context_workspace_bytes(shardmuon_context_t context,
                                                                  size_t* bytes);

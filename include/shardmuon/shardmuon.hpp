@@ -122,6 +122,13 @@ class Comm {
   std::unique_ptr<shardmuon_comm_s, Destroy> handle_;
 };
 
+// Sums the context's step flag over comm's ranks, after they agree (see
+// shardmuon_context_reduce_step_flag): over each communicator of a step split over several,
+// before the first, so that all their steps skip or none does. Collective.
+inline void reduce_step_flag(const Context& context, const Comm& comm, void* stream = nullptr) {
+  check(shardmuon_context_reduce_step_flag(context.get(), comm.get(), stream));
+}
+
 // A layout that owns its shard sizes.
 struct Layout {
   int64_t rows = 0, cols = 0;

@@ -3,6 +3,7 @@
 #include <exception>
 #include <new>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "api/handles.h"
@@ -100,12 +101,14 @@ shardmuon_status shardmuon_muon_step(shardmuon_context_t context, shardmuon_comm
                                                               group.size(), context->settings),
                          stream);
     });
-    // The digest the ranks agree on covers the context's settings too (see StepSettings).
-    const uint64_t digest = shardmuon::Digest{}
-                                .add(step.digest)
-                                .add(context->settings.nonfinite_policy)
-                                .add(context->settings.ns_batch_bytes)
-                                .value();
+    // The digest the ranks agree on covers the context's settings too (see StepSettings); a
+    // rank whose context is not one sends only its failure.
+    const uint64_t digest = backend == nullptr ? 0
+                                               : shardmuon::Digest{}
+                                                     .add(step.digest)
+                                                     .add(context->settings.nonfinite_policy)
+                                                     .add(context->settings.ns_batch_bytes)
+                                                     .value();
     if (backend != nullptr && backend->is_capturing(stream)) {
       // Captured into a CUDA graph: nothing may wait on the host, so the ranks cannot compare
       // arguments now. They did at the last uncaptured step; the captured one must repeat it.
@@ -128,6 +131,48 @@ shardmuon_status shardmuon_muon_step(shardmuon_context_t context, shardmuon_comm
     shardmuon::agree_across_ranks(group, local_error, digest, step.description);
     group.remember_agreed_step(digest);
     shardmuon::run_muon_step(*backend, group, step, stream, context->settings);
+  });
+}
+
+shardmuon_status shardmuon_context_reduce_step_flag(shardmuon_context_t context,
+                                                    shardmuon_comm_t comm, void* stream) {
+  return api_guard(__func__, [&] {
+    shardmuon::Communicator& group = shardmuon::communicator_of(comm, "comm");
+    shardmuon::Backend* backend = nullptr;
+    bool checked = false;
+    std::optional<shardmuon::BackendCallScope> scope;
+    const std::exception_ptr local_error = shardmuon::capture_local_failure([&] {
+      backend = &shardmuon::backend_of(context, "context");
+      group.check_compatible(*backend);
+      checked = context->settings.nonfinite_policy != SHARDMUON_NONFINITE_PROCEED;
+      SHARDMUON_CHECK_ARG(
+          !checked || context->settings.step_flag != nullptr,
+          "the context has no step flag to reduce (shardmuon_context_set_step_flag) "
+          "under a checked non-finite policy");
+      scope.emplace(*backend, stream);
+    });
+    if (backend != nullptr && backend->is_capturing(stream)) {
+      if (local_error != nullptr) std::rethrow_exception(local_error);
+    } else {
+      // Tagged apart from every step's digest: a rank making a step where the others reduce
+      // their flags disagrees with them instead of joining other collectives.
+      const uint64_t digest = backend == nullptr
+                                  ? 0
+                                  : shardmuon::Digest{}
+                                        .add_string("shardmuon_context_reduce_step_flag")
+                                        .add(context->settings.nonfinite_policy)
+                                        .value();
+      shardmuon::agree_across_ranks(
+          group, local_error, digest,
+          backend == nullptr
+              ? std::string("no context")
+              : shardmuon::concat("shardmuon_context_reduce_step_flag under non-finite "
+                                  "policy ",
+                                  static_cast<int>(context->settings.nonfinite_policy)));
+    }
+    if (checked && group.size() > 1) {
+      group.all_reduce_sum(context->settings.step_flag, 1, SHARDMUON_FLOAT32, stream);
+    }
   });
 }
 

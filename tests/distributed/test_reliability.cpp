@@ -415,6 +415,137 @@ TEST(StepFlagArguments, AMisalignedFlagIsRefusedByName) {
   EXPECT_EQ(shardmuon_context_set_step_flag(nullptr, storage), SHARDMUON_ERROR_INVALID_ARGUMENT);
 }
 
+// shardmuon_context_reduce_step_flag over several communicators, the way a step split over a
+// mesh's dimensions uses it: reduced over each in turn, every rank holds the sums a host
+// replay of the same reductions gives; so steps over those communicators afterwards all skip
+// where, without it, the first step would have written.
+class StepFlagReduction : public StepFlag {
+ protected:
+  shardmuon_status reduce(const Group& group) const {
+    return shardmuon_context_reduce_step_flag(Harness::get().context(), group.comm,
+                                              Harness::get().stream());
+  }
+};
+
+TEST_F(StepFlagReduction, OverEachCommunicatorInTurnGivesTheReplayedSums) {
+  const int ranks = Harness::get().max_group_size();
+  const int rank = Harness::get().world_rank();
+  if (ranks < 2) GTEST_SKIP() << "needs two ranks";
+  // Rank 0 starts with 4 and the last rank (in the largest group only) with 1.
+  auto initial = [&](int r) { return (r == 0 ? 4.0 : 0.0) + (r == ranks - 1 ? 1.0 : 0.0); };
+  std::vector<double> replay(ranks);
+  for (int r = 0; r < ranks; ++r) replay[r] = initial(r);
+  const Buffer flag = flag_of(static_cast<float>(initial(rank)));
+  use(flag);
+  for (int size = 2; size <= ranks; ++size) {  // the groups of the first 2, 3, ... ranks
+    double sum = 0.0;
+    for (int r = 0; r < size; ++r) sum += replay[r];
+    for (int r = 0; r < size; ++r) replay[r] = sum;
+    const Group& group = Harness::get().group(size);
+    if (group.member) {
+      ASSERT_EQ(reduce(group), SHARDMUON_SUCCESS) << shardmuon_last_error();
+    }
+  }
+  EXPECT_EQ(read(flag), static_cast<float>(replay[rank])) << "rank " << rank;
+  EXPECT_NE(read(flag), 0.0f) << "rank " << rank;
+}
+
+TEST_F(StepFlagReduction, BeforeStepsOverTwoCommunicatorsAllOfThemSkip) {
+  const int ranks = Harness::get().max_group_size();
+  if (ranks < 2) GTEST_SKIP() << "needs two ranks";
+  const Group& pair = Harness::get().group(2);  // the first step's, on ranks 0 and 1
+  const Group& all = Harness::get().group(ranks);
+  // The last rank's own check found something (it sets its flag; all gradients are finite).
+  const float mine = Harness::get().world_rank() == ranks - 1 ? 1.0f : 0.0f;
+  for (bool reduced : {false, true}) {
+    const Buffer flag = flag_of(mine);
+    use(flag);
+    if (reduced) {
+      if (pair.member) {
+        ASSERT_EQ(reduce(pair), SHARDMUON_SUCCESS) << shardmuon_last_error();
+      }
+      ASSERT_EQ(reduce(all), SHARDMUON_SUCCESS) << shardmuon_last_error();
+    }
+    NonFiniteCase first(pair, false, 0.0, false), second(all, false, 0.0, false);
+    if (pair.member) {
+      ASSERT_EQ(first.step(pair), SHARDMUON_SUCCESS) << shardmuon_last_error();
+      // Without the reduction ranks 0 and 1 know nothing of the last rank's flag yet (where
+      // it is one of them, with two ranks, they do).
+      EXPECT_EQ(first.unchanged(0), reduced || ranks == 2) << "reduced " << reduced;
+    }
+    ASSERT_EQ(second.step(all), SHARDMUON_SUCCESS) << shardmuon_last_error();
+    EXPECT_TRUE(second.unchanged(0) && second.unchanged(1)) << "reduced " << reduced;
+  }
+}
+
+TEST_F(StepFlagReduction, RanksAgreeFirstOrAllFail) {
+  const Group& group = Harness::get().group(Harness::get().max_group_size());
+  if (!group.member || group.size < 2) GTEST_SKIP() << "needs two ranks";
+  const Buffer flag = flag_of(group.rank == 1 ? 1.0f : 0.0f);
+  use(flag);
+  shardmuon_muon_group defaults{};
+  ASSERT_EQ(shardmuon_muon_group_default(&defaults), SHARDMUON_SUCCESS);
+  // Rank 0 failed before the reduction and refuses it through a step (a negative count).
+  const shardmuon_status refused =
+      group.rank == 0 ? shardmuon_muon_step(Harness::get().context(), group.comm, nullptr, -1,
+                                            &defaults, 1, Harness::get().stream())
+                      : reduce(group);
+  EXPECT_EQ(refused,
+            group.rank == 0 ? SHARDMUON_ERROR_INVALID_ARGUMENT : SHARDMUON_ERROR_PEER_FAILED)
+      << shardmuon_last_error();
+  EXPECT_EQ(read(flag), group.rank == 1 ? 1.0f : 0.0f) << "reduced after a failure";
+  // Rank 0 steps while the others reduce: their digests differ, nothing is written.
+  NonFiniteCase c(group, false, 0.0, false);
+  const shardmuon_status mixed = group.rank == 0 ? c.step(group) : reduce(group);
+  EXPECT_EQ(mixed, SHARDMUON_ERROR_RANK_MISMATCH) << shardmuon_last_error();
+  EXPECT_TRUE(c.unchanged(0) && c.unchanged(1));
+  EXPECT_EQ(read(flag), group.rank == 1 ? 1.0f : 0.0f);
+  // Rank 0 under another policy: the same.
+  if (group.rank == 0) {
+    ASSERT_EQ(
+        shardmuon_context_set_nonfinite_policy(Harness::get().context(), SHARDMUON_NONFINITE_RAISE),
+        SHARDMUON_SUCCESS);
+  }
+  EXPECT_EQ(reduce(group), SHARDMUON_ERROR_RANK_MISMATCH) << shardmuon_last_error();
+  // Under a checked policy without a flag: refused by name on that rank.
+  ASSERT_EQ(
+      shardmuon_context_set_nonfinite_policy(Harness::get().context(), SHARDMUON_NONFINITE_SKIP),
+      SHARDMUON_SUCCESS);
+  if (group.rank == 0) {
+    ASSERT_EQ(shardmuon_context_set_step_flag(Harness::get().context(), nullptr),
+              SHARDMUON_SUCCESS);
+  }
+  const shardmuon_status flagless = reduce(group);
+  EXPECT_EQ(flagless,
+            group.rank == 0 ? SHARDMUON_ERROR_INVALID_ARGUMENT : SHARDMUON_ERROR_PEER_FAILED);
+  if (group.rank == 0) {
+    EXPECT_NE(std::string(shardmuon_last_error()).find("no step flag"), std::string::npos)
+        << shardmuon_last_error();
+  }
+  // Under PROCEED no flag is needed, and the flags are left as they are.
+  ASSERT_EQ(
+      shardmuon_context_set_nonfinite_policy(Harness::get().context(), SHARDMUON_NONFINITE_PROCEED),
+      SHARDMUON_SUCCESS);
+  EXPECT_EQ(reduce(group), SHARDMUON_SUCCESS) << shardmuon_last_error();
+  EXPECT_EQ(read(flag), group.rank == 1 ? 1.0f : 0.0f);
+}
+
+TEST(StepFlagArguments, AReductionRefusesAContextThatIsNotOne) {
+  const Group& group = Harness::get().group(1);
+  if (!group.member) return;
+  EXPECT_EQ(shardmuon_context_reduce_step_flag(nullptr, group.comm, nullptr),
+            SHARDMUON_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(shardmuon_last_error()).find("context"), std::string::npos)
+      << shardmuon_last_error();
+  EXPECT_EQ(shardmuon_context_reduce_step_flag(Harness::get().context(), nullptr, nullptr),
+            SHARDMUON_ERROR_INVALID_ARGUMENT);
+  // A step with no context sends its failure (it used to read the null context's settings).
+  shardmuon_muon_group defaults{};
+  ASSERT_EQ(shardmuon_muon_group_default(&defaults), SHARDMUON_SUCCESS);
+  EXPECT_EQ(shardmuon_muon_step(nullptr, group.comm, nullptr, 0, &defaults, 1, nullptr),
+            SHARDMUON_ERROR_INVALID_ARGUMENT);
+}
+
 // Zero and tiny gradients give finite updates (eps bounds the normalization).
 TEST_F(NonFinite, ZeroAndTinyGradientsGiveFiniteUpdates) {
   const Group& group = Harness::get().group(Harness::get().max_group_size());
