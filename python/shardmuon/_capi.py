@@ -177,6 +177,7 @@ _signatures = {
     "shardmuon_context_set_ns_batch_bytes": (_c_status, [ctypes.c_void_p, ctypes.c_size_t]),
     "shardmuon_context_set_nonfinite_policy": (_c_status, [ctypes.c_void_p, ctypes.c_int]),
     "shardmuon_context_set_step_flag": (_c_status, [ctypes.c_void_p, ctypes.c_void_p]),
+    "shardmuon_context_reduce_step_flag": (_c_status, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]),
     "shardmuon_context_nonfinite_counts": (
         _c_status, [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int64)]),
     "shardmuon_context_workspace_bytes": (_c_status, [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t)]),

@@ -182,6 +182,7 @@ class _GlooCallbacks:
 
 class Communicator:
     def __init__(self, group, device: torch.device):
+        self.group = group
         self.callbacks = None
         handle = ctypes.c_void_p()
         size = group_size(group)

@@ -289,9 +289,10 @@ class Muon(torch.optim.Optimizer):
     ``ERROR_NON_FINITE``) naming what was skipped; "proceed" checks nothing (the fastest).
     ``nonfinite_counts()`` says how many steps and parameters were skipped. A step of
     parameters in several process groups (DTensors on several mesh dimensions) makes one
-    library call per group, each skipped on its own group's gradients. Another optimizer over
-    the other parameters knows nothing of it: use MuonWithAdamW, which skips both, or read the
-    counts.
+    library call per group; before the first, the step flag is summed over each group in
+    turn (shardmuon_context_reduce_step_flag), so that all of them skip or none does (on a
+    mesh: every rank holds the whole step's verdict). Another optimizer over the other
+    parameters knows nothing of it: use MuonWithAdamW, which skips both, or read the counts.
 
     Under ``torch.amp.GradScaler`` (float16 training; PyTorch 2.1 and later) ``scaler.step``
     hands the step the scale and its found_inf instead of reading found_inf on the host: the
@@ -353,6 +354,9 @@ class Muon(torch.optim.Optimizer):
         self._runtimes = Runtimes(ns_batch_bytes, c.NONFINITE_POLICIES[nonfinite])
         # Steps a subclass skipped without a library call that counts them (a device tensor).
         self._steps_skipped_here: Optional[torch.Tensor] = None
+        # What the library counted twice: a skipped step of several calls counts in each.
+        self._extra_skip_counts: Optional[torch.Tensor] = None
+        self._calls_this_step = 0
         self._called_library = False  # in the current step
         self._shard_sizes = _PerTensor()  # of the sharded parameters: every rank's extent
         self._seen = _PerTensor()  # the parameters whose shard sizes every rank has exchanged
@@ -433,8 +437,10 @@ class Muon(torch.optim.Optimizer):
         """Before the first step of parameters not seen before, every rank of the group learns
         every rank's extent along the split. A header goes first, of fixed size, in which each
         rank says whether it failed and how many parameters it brings: then a rank whose checks
-        failed (`failure`, which this returns) or ranks that list other parameters make every
-        rank raise here, instead of some waiting in a collective the others never make."""
+        failed (`failure`) or ranks that list other parameters give every rank of the group a
+        failure, which this returns (the caller still makes the collectives of the other
+        groups before raising it, see _calls), instead of some waiting in a collective the
+        others never make."""
         new = [e for e in bucket if e["param"] not in self._seen]
         if not new:
             return failure
@@ -445,16 +451,16 @@ class Muon(torch.optim.Optimizer):
                                       device)
             failed = [rank for rank, row in enumerate(header) if row[0]]
             if failure is not None:
-                raise failure
+                return failure
             if failed:
-                raise ValueError(f"Muon: rank(s) {failed} of the process group of {len(header)} ranks "
-                                 "rejected the step's parameters (their own errors say why); nothing "
-                                 "was stepped")
+                return ValueError(f"Muon: rank(s) {failed} of the process group of {len(header)} ranks "
+                                  "rejected the step's parameters (their own errors say why); nothing "
+                                  "was stepped")
             if any(row[1:] != header[0][1:] for row in header):
                 counts = [tuple(row[1:]) for row in header]
-                raise ValueError(f"Muon: the ranks of a process group list different parameters "
-                                 f"(new ones, sharded ones, by rank: {counts}); every rank must pass "
-                                 "the same parameters, split the same way; nothing was stepped")
+                return ValueError(f"Muon: the ranks of a process group list different parameters "
+                                  f"(new ones, sharded ones, by rank: {counts}); every rank must pass "
+                                  "the same parameters, split the same way; nothing was stepped")
         elif failure is not None:
             return failure
         self._gather_shard_sizes(missing, device, process_group)
@@ -462,9 +468,58 @@ class Muon(torch.optim.Optimizer):
             self._seen[e["param"]] = True
         return None
 
+    def _before_first_call(self, device, process_groups, calls, grads, failure=None):
+        """What every rank of the step does before its first library call, on every rank alike
+        (its collectives depend only on the process groups, the same on every rank): loads the
+        step flag, and where the calls are over several groups, sums it over each of them
+        in turn, so that every rank holds the verdict of the whole step before any call
+        writes; without it a call reads only its own group's gradients and the verdicts of the
+        calls before it, so that a NaN on another group's rank skipped the calls from there
+        on, not those before, and under "raise" left the ranks outside that group waiting in
+        the next call. Where the step makes several calls, this rank's flag includes whether
+        any of its gradients (`grads`, the local pieces) is not finite: the first call would
+        see only its own.
+
+        A failure of this rank (`failure`) reaches the others the same way: it enters each
+        group's reduction, or the first call where there is one group, with arguments the
+        library refuses (a negative parameter count), whose agreement fails them there; a rank
+        told so does the same for the groups after, and raises. So a check that fails on one
+        rank ends the step on every rank of its groups before anything is written."""
+        shared = [g for g in process_groups if group_size(g) > 1]
+        reduced = len(process_groups) > 1 and bool(shared)  # alike on every rank
+        self._calls_this_step = calls
+        if failure is None:
+            checked = self._step_policy != "proceed"
+            if checked and calls > 1 and grads:
+                self._flag_inputs.append(_any_nonfinite(grads, device))
+            self._verdict = self._load_step_flag(device, always=checked and reduced)
+        if not reduced:
+            if failure is not None:
+                if shared:  # a group of one rank has no one waiting
+                    self._fail_first_call(shared[0], device)
+                raise failure
+            return
+        context = self._runtimes.context(device)
+        context.set_nonfinite_policy(c.NONFINITE_POLICIES[self._step_policy])  # as the calls'
+        stream = _stream_of(device)
+        for group in shared:
+            if failure is not None:
+                self._fail_first_call(group, device)
+                continue
+            _, comm = self._runtimes.get(device, group)
+            status = c.lib.shardmuon_context_reduce_step_flag(context.handle, comm.handle, stream)
+            try:
+                comm.raise_callback_error()
+                c.check(status)
+            except Exception as error:  # a peer's failure (PEER_FAILED), or its collective's
+                failure = error
+        if failure is not None:
+            raise failure
+
     def _fail_first_call(self, process_group, device):
-        """Enters the library call the other ranks are about to make with arguments it refuses
-        (a negative parameter count): its agreement returns PEER_FAILED on them."""
+        """Enters the library call the other ranks of the group are about to make (a step, or
+        a step flag reduction) with arguments it refuses (a negative parameter count): its
+        agreement returns PEER_FAILED on them."""
         context, comm = self._runtimes.get(device, process_group)
         group = c.MuonGroup()
         c.check(c.lib.shardmuon_muon_group_default(ctypes.byref(group)))
@@ -639,10 +694,9 @@ class Muon(torch.optim.Optimizer):
         A check that fails on this rank only (`failure` from _collect, or one here) must not
         leave the others waiting in a collective: this rank still makes the collectives they
         make before their first call (the shard-size exchanges, whose headers carry the
-        failure, so that every rank raises there, and the communicators' creation), and if
-        none of those told them, it enters the first call with arguments the library refuses,
-        so that the library's own agreement fails them too (join_first_call; plan() makes no
-        call). Then it raises its error."""
+        failure to every rank of their group, and the communicators' creation), and then those
+        of _before_first_call (join_first_call; plan() makes no call), which carry it to every
+        rank of the step. Then it raises its error."""
         buckets: Dict[Any, list] = {}
         for e in entries:
             buckets.setdefault(e["process_group"], []).append(e)
@@ -663,11 +717,10 @@ class Muon(torch.optim.Optimizer):
                                  self._redistribution_runs(regrouped)))
             except (ValueError, TypeError) as error:
                 failure = error
+        if join_first_call:
+            grads = [e["grad"] for e in entries if not e["stub"] and e["grad"] is not None]
+            self._before_first_call(device, list(buckets), sum(len(p[3]) for p in prepared), grads, failure)
         if failure is not None:
-            # The first call the others wait in: calls over a group of one rank wait for none.
-            shared = [process_group for process_group in buckets if group_size(process_group) > 1]
-            if join_first_call and shared:
-                self._fail_first_call(shared[0], device)
             raise failure
 
         def calls():
@@ -756,11 +809,12 @@ class Muon(torch.optim.Optimizer):
     # -- the step -----------------------------------------------------------------------------
 
     def nonfinite_counts(self) -> Dict[str, int]:
-        """Steps skipped because a gradient was not finite (``skipped_steps``; a step of
-        several process groups counts each group's call), and parameters skipped because their
-        update was not finite (``skipped_params``), so far; waits for the GPU. See
-        ``nonfinite``."""
+        """Steps skipped because a gradient was not finite (``skipped_steps``), and parameters
+        skipped because their update was not finite (``skipped_params``), so far; waits for
+        the GPU. See ``nonfinite``."""
         steps = 0 if self._steps_skipped_here is None else int(self._steps_skipped_here.item())
+        if self._extra_skip_counts is not None:
+            steps -= int(self._extra_skip_counts.item())
         params = 0
         for context in self._runtimes.contexts():
             context_steps, context_params = context.nonfinite_counts()
@@ -791,7 +845,7 @@ class Muon(torch.optim.Optimizer):
         self._flag_inputs: List[torch.Tensor] = [] if found_inf is None else [found_inf]
         self._check_other_steps()
         self._grad_scale = grad_scale  # removed just before the first write (_unscale_once)
-        self._verdict = None
+        self._verdict, self._calls_this_step = None, 0
         self._muon_step()
         self._unscale_once()
         self._other_steps()
@@ -824,20 +878,24 @@ class Muon(torch.optim.Optimizer):
                 for grad in grads:
                     grad.mul_(factor)
 
-    def _load_step_flag(self, device: torch.device) -> Optional[torch.Tensor]:
+    def _load_step_flag(self, device: torch.device, always: bool = False) -> Optional[torch.Tensor]:
         """Before this step's library calls: the step flag of the context they use
         (shardmuon_context_set_step_flag) holds the sum of this step's flag inputs (a loss
-        scaler's found_inf, MuonWithAdamW's check of its AdamW gradients), moved to `device`,
-        which the calls read as one more gradient; None where there is none (a flag left from
-        an earlier step is cleared: it holds that step's verdict)."""
+        scaler's found_inf, MuonWithAdamW's check of its AdamW gradients, this rank's check of
+        its gradients), moved to `device`, which the calls read as one more gradient; None
+        where there is none, unless `always` (a flag left from an earlier step is cleared: it
+        holds that step's verdict)."""
         context = self._runtimes.context(device)
-        if not self._flag_inputs:
+        if not self._flag_inputs and not always:
             if context.step_flag is not None:
                 context.step_flag.zero_()
             return None
         if context.step_flag is None:
             context.use_step_flag(torch.zeros(1, dtype=torch.float32, device=device))
-        context.step_flag.copy_(self._summed_flag_inputs(device))
+        if self._flag_inputs:
+            context.step_flag.copy_(self._summed_flag_inputs(device))
+        else:
+            context.step_flag.zero_()
         return context.step_flag
 
     def _summed_flag_inputs(self, device: torch.device) -> torch.Tensor:
@@ -853,12 +911,12 @@ class Muon(torch.optim.Optimizer):
     def _muon_step(self):
         reused = self._last_calls_again()
         if reused is not None:
-            device, calls = reused
+            device, calls, grads = reused
             stream = _stream_of(device)
-            flag = self._load_step_flag(device)
+            self._before_first_call(device, [comm.group for _, comm, *_ in calls], len(calls), grads)
             for context, comm, params, count, groups, _ in calls:
                 self._call_step(context, comm, params, count, groups, stream)
-            self._verdict = flag
+            self._count_a_skipped_step_once()
             return
         self._step_cache = None
         entries, failure = self._collect()
@@ -868,11 +926,11 @@ class Muon(torch.optim.Optimizer):
             return
         device = self._device(entries)
         stream = _stream_of(device)
-        flag = self._load_step_flag(device)
-        # One call per process group (DTensor parameters may live on several mesh dimensions);
-        # a non-finite gradient skips the parameters of its own call. The calls' arguments are
-        # built and checked before the first call, so that an error found here steps none;
-        # regrouped parameters' copies are made just before their call (see _calls).
+        # One call per process group (DTensor parameters may live on several mesh dimensions),
+        # after _before_first_call has given every rank the whole step's verdict. The calls'
+        # arguments are built and checked before the first call, so that an error found here
+        # steps none; regrouped parameters' copies are made just before their call (see
+        # _calls).
         made = []
         for bucket, arguments, write_backs in self._calls(entries, device, failure, join_first_call=True):
             # keepalive: what params and groups point into, alive until the call returns.
@@ -881,9 +939,19 @@ class Muon(torch.optim.Optimizer):
             for write_back in write_backs:
                 write_back()
             made.append((bucket, arguments))
-        self._verdict = flag
+        self._count_a_skipped_step_once()
         if all(e["regroup"] is None for e in entries):
             self._step_cache = self._remember(made)
+
+    def _count_a_skipped_step_once(self) -> None:
+        """Each call of a skipped step counts it in the library (all of them skip, see
+        _before_first_call): the counts the step's other calls added, on the device, so that
+        nonfinite_counts() counts steps. Under "raise" the first call raises on every rank."""
+        calls, verdict = self._calls_this_step, self._verdict
+        if calls > 1 and verdict is not None and self._step_policy == "skip":
+            extra = (verdict.reshape(()) != 0).to(torch.int64) * (calls - 1)
+            counted = self._extra_skip_counts
+            self._extra_skip_counts = extra if counted is None else counted + extra
 
     def _call_step(self, context, comm, params, count, groups, stream):
         self._unscale_once()
@@ -909,9 +977,9 @@ class Muon(torch.optim.Optimizer):
         return _StepCache(_membership(self._muon_groups()), slots, calls)
 
     def _last_calls_again(self):
-        """(device, [(context, comm, params, count, groups, keepalive)]): the last step's library calls
-        with this step's gradients and group values, or None where anything else they were
-        built from changed (see _StepCache)."""
+        """(device, [(context, comm, params, count, groups, keepalive)], gradients): the last
+        step's library calls with this step's gradients (their local pieces) and group values,
+        or None where anything else they were built from changed (see _StepCache)."""
         cache = self._step_cache
         if cache is None:
             return None
@@ -919,7 +987,7 @@ class Muon(torch.optim.Optimizer):
         if _membership(muon_groups) != cache.groups:
             return None
         params = [param for _, group in muon_groups for param in group["params"]]
-        gradients, state = [], self.state
+        gradients, grads, state = [], [], self.state
         for param, slot in zip(params, cache.slots):
             reference, struct, address, shape, dtype, device, attributes, placement, momentum, momentum_address = slot
             if reference() is not param:
@@ -950,6 +1018,7 @@ class Muon(torch.optim.Optimizer):
             if buffer is None or buffer is not momentum() or local_tensor(buffer).data_ptr() != momentum_address:
                 return None
             gradients.append((struct, grad.data_ptr() or None))
+            grads.append(grad)
         calls = []
         for context, comm, params_array, count, indices, _ in cache.calls:
             keepalive = []  # what the groups point into (custom coefficients)
@@ -960,7 +1029,7 @@ class Muon(torch.optim.Optimizer):
             calls.append((context, comm, params_array, count, groups, keepalive))
         for struct, address in gradients:
             struct.grad = address
-        return cache.calls[0][0].device, calls
+        return cache.calls[0][0].device, calls, grads
 
     @torch.no_grad()
     def plan(self) -> Dict[str, Dict[str, Any]]:
@@ -1113,8 +1182,6 @@ class MuonWithAdamW(Muon):
     skips both (or raises before either writes): the AdamW gradients are checked on the GPU
     and the result passed to the Muon step as its step flag (shardmuon_context_set_step_flag),
     which says after it whether the step was skipped, on every rank of its process group.
-    (With several process groups a call reads the verdict of the one before it: a NaN in a
-    later group's gradients skips that call, the ones after it and AdamW, not the ones before.)
     On CUDA, AdamW is torch's fused AdamW, whose kernel reads that verdict on the GPU (as it
     reads a loss scaler's found_inf): nothing waits. Elsewhere (CPU tensors, DTensor
     parameters in the AdamW groups, a PyTorch without fused AdamW) reading the verdict waits

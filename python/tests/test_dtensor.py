@@ -21,6 +21,7 @@ import torch
 
 import reference
 import reuse
+import shardmuon
 import shardmuon.torch as st
 from processes import launch, shard_of, split
 from shardmuon import _dtensor
@@ -343,6 +344,108 @@ def _refused(rank, world):
 
 def test_placements_it_cannot_take_fail_on_every_rank():
     launch(_refused, 4)
+
+
+# A step over four process groups of a 2 x 2 mesh: rows over tp, columns over dp, a replicated
+# matrix each rank steps on its own, and rows over the world; the last redistributed (rows
+# over dp and columns over tp) and, with redistribution_bytes=0, in a run of its own.
+SEVERAL_GROUPS = [((40, 33), ("R", "S0"), 1, 2, None),
+                  ((27, 50), ("S1", "R"), 1, 2, None),
+                  ((20, 12), ("R", "R"), 1, 1, None),
+                  ((45, 20), ("S0", "S0"), 1, 4, None),
+                  ((41, 35), ("S0", "S1"), 1, 4, ("S0", "S0")),
+                  ((35, 41), ("S1", "S0"), 1, 4, ("S1", "S1"))]
+
+
+def _state_of(optimizer, params):
+    return [(p.to_local().clone(), optimizer.state[p]["momentum_buffer"].to_local().clone()
+             if "momentum_buffer" in optimizer.state[p] else None) for p in params]
+
+
+def _unchanged(optimizer, params, before):
+    return all(torch.equal(p.to_local(), w) and (m is None or torch.equal(
+        optimizer.state[p]["momentum_buffer"].to_local(), m)) for p, (w, m) in zip(params, before))
+
+
+def _nonfinite_in_any_group(rank, world):
+    """A NaN in any one parameter's gradient on any one rank skips every call of the step on
+    every rank (or raises everywhere under "raise", nothing written), however the parameters
+    fall into process groups and calls; the skipped step counts once. Before, the calls of the
+    groups before the NaN's had written, and under "raise" the ranks outside its group waited
+    in the next call."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    calls = counting_step_calls()
+    for policy, budget in [("skip", 1 << 30), ("skip", 0), ("raise", 1 << 30)]:
+        _, params, grads, optimizer = parameters_of(mesh, SEVERAL_GROUPS, 700, nonfinite=policy,
+                                                    redistribution_bytes=budget)
+        for i, p in enumerate(params):  # a finite step first, to reuse its calls after
+            p.grad = grads[i][0]
+        optimizer.step()
+        skipped = 0
+        for poisoned in range(len(params)):
+            for poisoned_rank in range(world):
+                before = _state_of(optimizer, params)
+                for i, p in enumerate(params):
+                    p.grad = grads[i][1]
+                    if i == poisoned and rank == poisoned_rank and p.grad.to_local().numel():
+                        p.grad = grads[i][1].clone()
+                        p.grad.to_local().view(-1)[0] = float("nan")
+                calls.clear()
+                if policy == "raise":
+                    with pytest.raises(shardmuon.ShardmuonError, match="NON_FINITE"):
+                        optimizer.step()
+                else:
+                    optimizer.step()
+                    assert len(calls) == (4 if budget else 5), calls
+                assert _unchanged(optimizer, params, before), (policy, budget, poisoned, poisoned_rank, rank)
+                skipped += 1
+        counts = optimizer.nonfinite_counts()
+        assert counts == {"skipped_steps": skipped, "skipped_params": 0}, (policy, budget, counts)
+        before = _state_of(optimizer, params)
+        for i, p in enumerate(params):
+            p.grad = grads[i][2]
+        optimizer.step()  # a finite step goes through
+        changed = [not torch.equal(p.to_local(), w) for p, (w, _) in zip(params, before) if p.to_local().numel()]
+        assert all(changed), (policy, changed)
+
+
+def test_a_nonfinite_gradient_in_any_group_skips_every_call_of_the_step():
+    launch(_nonfinite_in_any_group, 4)
+
+
+def _one_rank_fails(rank, world):
+    """A check failing on one rank only, for a parameter of a later group, ends the step on
+    every rank before anything is written: on the first step (found as the shard sizes are
+    exchanged) and on a later one (the calls' arguments). Before, the ranks outside the
+    failing rank's first group stepped their first groups and then waited in the failing
+    rank's next group until the timeout."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    for failing_rank in [0, 3]:
+        _, params, grads, optimizer = parameters_of(mesh, SEVERAL_GROUPS, 750)
+        for first in [True, False]:
+            if not first:
+                for i, p in enumerate(params):
+                    p.grad = grads[i][0]
+                optimizer.step()
+            before = _state_of(optimizer, params)
+            for i, p in enumerate(params):
+                p.grad = grads[i][1]
+            if rank == failing_rank:  # column parallel's gradient in float32: refused here only
+                params[1].grad = grads[1][1].to(torch.float32)
+            with pytest.raises((ValueError, TypeError, shardmuon.ShardmuonError)) as caught:
+                optimizer.step()
+            if rank == failing_rank:
+                assert isinstance(caught.value, TypeError) and "float32" in str(caught.value), caught.value
+            else:
+                assert "rank" in str(caught.value), caught.value  # names the failed rank
+            assert _unchanged(optimizer, params, before), (failing_rank, first, rank)
+        for i, p in enumerate(params):
+            p.grad = grads[i][2]
+        optimizer.step()  # then a good step goes through
+
+
+def test_a_check_failing_on_one_rank_fails_the_step_on_every_rank():
+    launch(_one_rank_fails, 4)
 
 
 def _state_dict(rank, world):
