@@ -375,12 +375,18 @@ def _nonfinite_in_any_group(rank, world):
     in the next call."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     calls = counting_step_calls()
-    for policy, budget in [("skip", 1 << 30), ("skip", 0), ("raise", 1 << 30)]:
-        _, params, grads, optimizer = parameters_of(mesh, SEVERAL_GROUPS, 700, nonfinite=policy,
+    # Without the redistributed parameters, a step reuses the last one's calls (_StepCache).
+    for cases, policy, budget in [(SEVERAL_GROUPS, "skip", 1 << 30), (SEVERAL_GROUPS, "skip", 0),
+                                  (SEVERAL_GROUPS, "raise", 1 << 30), (SEVERAL_GROUPS[:4], "skip", 1 << 30),
+                                  (SEVERAL_GROUPS[:4], "raise", 1 << 30)]:
+        _, params, grads, optimizer = parameters_of(mesh, cases, 700, nonfinite=policy,
                                                     redistribution_bytes=budget)
+        assert all(p.to_local().numel() for p in params)  # every rank can hold the NaN
         for i, p in enumerate(params):  # a finite step first, to reuse its calls after
             p.grad = grads[i][0]
         optimizer.step()
+        assert (optimizer._step_cache is not None) == (len(cases) == 4)
+        expected_calls = 4 + (budget == 0)
         skipped = 0
         for poisoned in range(len(params)):
             for poisoned_rank in range(world):
@@ -396,11 +402,12 @@ def _nonfinite_in_any_group(rank, world):
                         optimizer.step()
                 else:
                     optimizer.step()
-                    assert len(calls) == (4 if budget else 5), calls
-                assert _unchanged(optimizer, params, before), (policy, budget, poisoned, poisoned_rank, rank)
+                    assert len(calls) == expected_calls, calls
+                assert _unchanged(optimizer, params, before), (len(cases), policy, budget, poisoned,
+                                                               poisoned_rank, rank)
                 skipped += 1
         counts = optimizer.nonfinite_counts()
-        assert counts == {"skipped_steps": skipped, "skipped_params": 0}, (policy, budget, counts)
+        assert counts == {"skipped_steps": skipped, "skipped_params": 0}, (len(cases), policy, budget, counts)
         before = _state_of(optimizer, params)
         for i, p in enumerate(params):
             p.grad = grads[i][2]
