@@ -357,6 +357,7 @@ class Muon(torch.optim.Optimizer):
         # What the library counted twice: a skipped step of several calls counts in each.
         self._extra_skip_counts: Optional[torch.Tensor] = None
         self._calls_this_step = 0
+        self._scaler_checked = False  # whether a loss scaler's found_inf covers the gradients
         self._called_library = False  # in the current step
         self._shard_sizes = _PerTensor()  # of the sharded parameters: every rank's extent
         self._seen = _PerTensor()  # the parameters whose shard sizes every rank has exchanged
@@ -490,7 +491,9 @@ class Muon(torch.optim.Optimizer):
         self._calls_this_step = calls
         if failure is None:
             checked = self._step_policy != "proceed"
-            if checked and calls > 1 and grads:
+            # A loss scaler's found_inf covers this rank's gradients already (GradScaler checks
+            # them all before the step when scaler.unscale_ has not).
+            if checked and calls > 1 and grads and not self._scaler_checked:
                 self._flag_inputs.append(_any_nonfinite(grads, device))
             self._verdict = self._load_step_flag(device, always=checked and reduced)
         if not reduced:
@@ -843,6 +846,7 @@ class Muon(torch.optim.Optimizer):
         # found_inf, whatever the policy, as GradScaler skips any optimizer's step.
         self._step_policy = self._nonfinite if found_inf is None else "skip"
         self._flag_inputs: List[torch.Tensor] = [] if found_inf is None else [found_inf]
+        self._scaler_checked = found_inf is not None
         self._check_other_steps()
         self._grad_scale = grad_scale  # removed just before the first write (_unscale_once)
         self._verdict, self._calls_this_step = None, 0

@@ -4,6 +4,8 @@
     torchrun --nproc_per_node=2 --no-python scripts/rank_host_id.sh python3 \
         python/tests/gpu/check_torch_gpu.py                           # the same, sharing one GPU
     python3 python/tests/gpu/check_torch_gpu.py                       # one GPU (or torchrun with 1)
+    torchrun --nproc_per_node=4 [--no-python scripts/rank_host_id.sh python3] \
+        python/tests/gpu/check_torch_gpu.py                           # a 2 x 2 mesh (mesh_checks)
 
 On 2 ranks (2 GPUs, or sharing one): every sharding mode (rows, columns, uneven, replicated)
 and dtype for 3 steps with the learning rate changed every step, against the float64
@@ -29,6 +31,7 @@ import torch.distributed as dist
 sys.path[:0] = [os.path.join(os.path.dirname(__file__), ".."), os.path.join(os.path.dirname(__file__), "..", "..")]
 import reference  # noqa: E402
 from processes import shard_of, split  # noqa: E402
+import shardmuon  # noqa: E402
 import shardmuon.torch as st  # noqa: E402
 
 results = []
@@ -301,6 +304,84 @@ def dtensor_checks(rank, world, device):
            f"error {error:.2e}")
 
 
+def mesh_checks(rank, world, device):
+    """On a 2 x 2 CUDA mesh (4 ranks, or 4 sharing one GPU): parameters over four process
+    groups (rows over tp, columns over dp, replicated, rows over the world and, redistributed,
+    rows over dp with columns over tp), so one library call per group and the step flag summed
+    over each group before the first (shardmuon_context_reduce_step_flag, over NCCL). A NaN in
+    the last call's gradient on one rank skips every call on every rank, counted once; under
+    "raise" every rank raises; a check failing on one rank fails every rank; nothing written.
+    Then a finite step against the float64 reference."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cuda", (2, 2), mesh_dim_names=("dp", "tp"))
+    cases = [((257, 131), (Replicate(), Shard(0)), torch.bfloat16), ((131, 257), (Shard(1), Replicate()), torch.float32),
+             ((96, 64), (Replicate(), Replicate()), torch.float32), ((384, 160), (Shard(0), Shard(0)), torch.bfloat16),
+             ((200, 120), (Shard(0), Shard(1)), torch.float32)]
+    wholes = []
+    for i, (shape, placements, dtype) in enumerate(cases):
+        generator = torch.Generator().manual_seed(800 + i)
+        whole = (0.05 * torch.randn(*shape, generator=generator, dtype=torch.float64)).to(dtype)
+        wholes.append((whole, torch.randn(*shape, generator=generator, dtype=torch.float64).to(dtype)))
+
+    def fresh(nonfinite):
+        params = [torch.nn.Parameter(distribute_tensor(whole.to(device), mesh, list(placements)))
+                  for (whole, _), (_, placements, _) in zip(wholes, cases)]
+        return params, st.Muon(params, lr=0.02, weight_decay=0.1, nonfinite=nonfinite)
+
+    def give(params, poison=None):
+        for i, (p, (_, grad)) in enumerate(zip(params, wholes)):
+            p.grad = distribute_tensor(grad.to(device), mesh, list(p.placements))
+            if poison == (i, rank):
+                p.grad.to_local().view(-1)[0] = float("nan")
+
+    def every_rank(ok):
+        flag = torch.tensor(float(ok), device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return flag.item() == 1.0
+
+    params, optimizer = fresh("skip")
+    before = [p.to_local().clone() for p in params]
+    give(params, poison=(3, 0))  # rows over the world: the last call's group
+    optimizer.step()
+    unchanged = all(torch.equal(p.to_local(), b) for p, b in zip(params, before))
+    counts = optimizer.nonfinite_counts()
+    record("2 x 2 mesh: a NaN on rank 0 in the last of 4 calls' gradients skips every call on every rank, "
+           "counted once", every_rank(unchanged and counts["skipped_steps"] == 1), str(counts))
+    give(params)
+    optimizer.step()
+    errors = []
+    for p, (whole, grad), (_, _, dtype) in zip(params, wholes, cases):
+        expected = reference.muon_steps(whole, [grad], [0.02], weight_decay=0.1)
+        errors.append(reference.relative_error(p.full_tensor().cpu(), expected) / (3e-2 if dtype == torch.bfloat16
+                                                                                   else 2e-5))
+    record("2 x 2 mesh: then a finite step matches the float64 reference", every_rank(max(errors) < 1),
+           f"largest error/tolerance {max(errors):.2f}")
+    params, optimizer = fresh("raise")
+    before = [p.to_local().clone() for p in params]
+    give(params, poison=(1, 3))  # columns over dp: the second call's group
+    try:
+        optimizer.step()
+        raised = False
+    except shardmuon.ShardmuonError as error:
+        raised = "NON_FINITE" in str(error)
+    unchanged = all(torch.equal(p.to_local(), b) for p, b in zip(params, before))
+    record("2 x 2 mesh, nonfinite='raise': a NaN on rank 3 raises on every rank, nothing written",
+           every_rank(raised and unchanged))
+    give(params)
+    if rank == 2:
+        optimizer.param_groups[0]["lr"] = -0.02
+    try:
+        optimizer.step()
+        message = ""
+    except (ValueError, shardmuon.ShardmuonError) as error:
+        message = str(error)
+    unchanged = all(torch.equal(p.to_local(), b) for p, b in zip(params, before))
+    record("2 x 2 mesh: a check failing on rank 2 (a negative lr) fails every rank, nothing written",
+           every_rank(bool(message) and unchanged), message[:100] if rank == 0 else "")
+
+
 def single_gpu_checks(device):
     """Against torch.optim.Muon where the settings coincide: its defaults' Newton-Schulz
     (3.4445, -4.7750, 2.0315) x 5 is our 'simple' schedule, its adjust_lr_fn=None ('original':
@@ -542,8 +623,11 @@ def main():
         local = int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count()
         torch.cuda.set_device(local)
         dist.init_process_group("nccl")
-        sharded_checks(dist.get_rank(), dist.get_world_size(), torch.device("cuda", local))
-        dtensor_checks(dist.get_rank(), dist.get_world_size(), torch.device("cuda", local))
+        if dist.get_world_size() == 4:
+            mesh_checks(dist.get_rank(), 4, torch.device("cuda", local))
+        else:
+            sharded_checks(dist.get_rank(), dist.get_world_size(), torch.device("cuda", local))
+            dtensor_checks(dist.get_rank(), dist.get_world_size(), torch.device("cuda", local))
     else:
         single_gpu_checks(torch.device("cuda", 0))
         torch_muon_checks(torch.device("cuda", 0))
