@@ -316,8 +316,10 @@ def mesh_checks(rank, world, device):
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     mesh = init_device_mesh("cuda", (2, 2), mesh_dim_names=("dp", "tp"))
-    cases = [((257, 131), (Replicate(), Shard(0)), torch.bfloat16), ((131, 257), (Shard(1), Replicate()), torch.float32),
-             ((96, 64), (Replicate(), Replicate()), torch.float32), ((384, 160), (Shard(0), Shard(0)), torch.bfloat16),
+    cases = [((257, 131), (Replicate(), Shard(0)), torch.bfloat16),
+             ((131, 257), (Shard(1), Replicate()), torch.float32),
+             ((96, 64), (Replicate(), Replicate()), torch.float32),
+             ((384, 160), (Shard(0), Shard(0)), torch.bfloat16),
              ((200, 120), (Shard(0), Shard(1)), torch.float32)]
     wholes = []
     for i, (shape, placements, dtype) in enumerate(cases):
