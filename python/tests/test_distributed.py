@@ -250,6 +250,47 @@ def test_an_error_on_some_ranks_reaches_every_rank_without_a_wait():
     launch(_errors_on_some_ranks, 3)
 
 
+def _flag_over_several_groups(rank, world):
+    """The step flag summed over two process groups in turn, as a step over several groups
+    does before its first call (Muon._before_first_call; only DTensor parameters give a step
+    several groups, and CI's PyTorch 1.13 has none, so this calls it directly): on a 2 x 2
+    grid of gloo groups, rows then columns, one rank's NaN reaches every rank; one rank's
+    failure fails every rank at once, not after the groups' timeout; then it works again."""
+    timeout = datetime.timedelta(seconds=60)
+    rows = [dist.new_group(ranks, timeout=timeout) for ranks in ([0, 1], [2, 3])]
+    columns = [dist.new_group(ranks, timeout=timeout) for ranks in ([0, 2], [1, 3])]
+    groups = [rows[rank // 2], columns[rank % 2]]
+    optimizer = st.Muon([torch.nn.Parameter(torch.zeros(4, 4, dtype=torch.float64))], lr=0.02)
+
+    def before_first_call(value, policy="skip", failure=None):
+        optimizer._step_policy, optimizer._flag_inputs, optimizer._scaler_checked = policy, [], False
+        grads = [torch.zeros(5, dtype=torch.float64), torch.full((3,), value, dtype=torch.float64)]
+        optimizer._before_first_call(torch.device("cpu"), groups, 2, grads, failure)
+        return optimizer._verdict
+
+    for poisoned in range(world):
+        for value in (float("nan"), float("inf")):
+            verdict = before_first_call(value if rank == poisoned else 0.0)
+            assert verdict is not None and verdict.item() != 0.0, (poisoned, value, rank)
+    assert before_first_call(0.0).item() == 0.0
+    assert before_first_call(float("nan"), policy="proceed") is None  # agreed, nothing read
+    for failing in range(world):
+        if rank == failing:
+            _raises_quickly(lambda: before_first_call(0.0, failure=ValueError("refused here")), ValueError,
+                            "refused here")
+        else:
+            _raises_quickly(lambda: before_first_call(0.0), shardmuon.ShardmuonError,
+                            "SHARDMUON_ERROR_PEER_FAILED")
+    # A rank under another policy than the others: every rank told, at once.
+    _raises_quickly(lambda: before_first_call(0.0, policy="raise" if rank == 1 else "skip"),
+                    shardmuon.ShardmuonError, "SHARDMUON_ERROR_(RANK_MISMATCH|PEER_FAILED)")
+    assert before_first_call(0.0).item() == 0.0
+
+
+def test_the_step_flag_summed_over_several_groups_reaches_every_rank():
+    launch(_flag_over_several_groups, 4)
+
+
 def _save(rank, world, directory):
     generator = torch.Generator().manual_seed(11)
     whole = torch.randn(30, 24, generator=generator, dtype=torch.float64)
