@@ -290,10 +290,11 @@ SHARDMUON_API shardmuon_status shardmuon_context_set_step_flag(shardmuon_context
  * leaves every rank of a mesh the same flag (for communicators along its dimensions), so that
  * all the steps skip or none does: without it, a step reads only its own communicator's
  * gradients and the verdicts of the steps before it, and the steps before a non-finite
- * gradient's would already have written. A rank that failed before this call makes the others'
- * fail instead by calling shardmuon_muon_step with a negative num_params here (the others return
- * SHARDMUON_ERROR_PEER_FAILED): so a failure found on one rank ends the whole step on every rank
- * before anything is written, instead of stranding the ranks of the later communicators.
+ * gradient's would already have written. A rank that failed before this call calls
+ * shardmuon_muon_step with a negative num_params here instead, and the others' calls return
+ * SHARDMUON_ERROR_PEER_FAILED; a rank told so does the same over the communicators after. So a
+ * failure found on one rank ends the whole step on every rank before anything is written,
+ * instead of stranding the ranks of the later communicators.
  * Under PROCEED only the agreement is made. A checked policy needs a step flag
  * (shardmuon_context_set_step_flag). Captured into a CUDA graph, the ranks cannot compare
  * (the steps captured after it compare themselves with their last uncaptured step). */
