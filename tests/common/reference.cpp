@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 #include <stdexcept>
+#include <string>
 
 namespace shardmuon_test {
 
@@ -318,6 +319,9 @@ int64_t sharded_extent(int64_t rows, int64_t cols, shardmuon_partition partition
 std::vector<double> extract_shard(const Matrix& m, shardmuon_partition partition,
                                   const std::vector<int64_t>& sizes, int rank) {
   if (partition == SHARDMUON_REPLICATED) return m.values;
+  if (rank < 0 || rank >= static_cast<int>(sizes.size()))  // e.g. a process outside the group
+    throw std::out_of_range("extract_shard: rank " + std::to_string(rank) + " of " +
+                            std::to_string(sizes.size()) + " shards");
   int64_t offset = 0;
   for (int r = 0; r < rank; ++r) offset += sizes[r];
   std::vector<double> shard;
