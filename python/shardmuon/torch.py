@@ -356,7 +356,6 @@ class Muon(torch.optim.Optimizer):
         self._steps_skipped_here: Optional[torch.Tensor] = None
         # What the library counted twice: a skipped step of several calls counts in each.
         self._extra_skip_counts: Optional[torch.Tensor] = None
-        self._calls_this_step = 0
         self._scaler_checked = False  # whether a loss scaler's found_inf covers the gradients
         self._called_library = False  # in the current step
         self._shard_sizes = _PerTensor()  # of the sharded parameters: every rank's extent
@@ -488,7 +487,6 @@ class Muon(torch.optim.Optimizer):
         rank ends the step on every rank of its groups before anything is written."""
         shared = [g for g in process_groups if group_size(g) > 1]
         reduced = len(process_groups) > 1 and bool(shared)  # alike on every rank
-        self._calls_this_step = calls
         if failure is None:
             checked = self._step_policy != "proceed"
             # A loss scaler's found_inf covers this rank's gradients already (GradScaler checks
@@ -849,7 +847,7 @@ class Muon(torch.optim.Optimizer):
         self._scaler_checked = found_inf is not None
         self._check_other_steps()
         self._grad_scale = grad_scale  # removed just before the first write (_unscale_once)
-        self._verdict, self._calls_this_step = None, 0
+        self._verdict = None
         self._muon_step()
         self._unscale_once()
         self._other_steps()
@@ -920,7 +918,7 @@ class Muon(torch.optim.Optimizer):
             self._before_first_call(device, [comm.group for _, comm, *_ in calls], len(calls), grads)
             for context, comm, params, count, groups, _ in calls:
                 self._call_step(context, comm, params, count, groups, stream)
-            self._count_a_skipped_step_once()
+            self._count_a_skipped_step_once(len(calls))
             return
         self._step_cache = None
         entries, failure = self._collect()
@@ -943,15 +941,15 @@ class Muon(torch.optim.Optimizer):
             for write_back in write_backs:
                 write_back()
             made.append((bucket, arguments))
-        self._count_a_skipped_step_once()
+        self._count_a_skipped_step_once(len(made))
         if all(e["regroup"] is None for e in entries):
             self._step_cache = self._remember(made)
 
-    def _count_a_skipped_step_once(self) -> None:
-        """Each call of a skipped step counts it in the library (all of them skip, see
-        _before_first_call): the counts the step's other calls added, on the device, so that
+    def _count_a_skipped_step_once(self, calls: int) -> None:
+        """Each of the step's `calls` counts a skipped step in the library (all of them skip,
+        see _before_first_call): the counts the other calls added, on the device, so that
         nonfinite_counts() counts steps. Under "raise" the first call raises on every rank."""
-        calls, verdict = self._calls_this_step, self._verdict
+        verdict = self._verdict
         if calls > 1 and verdict is not None and self._step_policy == "skip":
             extra = (verdict.reshape(()) != 0).to(torch.int64) * (calls - 1)
             counted = self._extra_skip_counts
