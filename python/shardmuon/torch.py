@@ -199,14 +199,26 @@ def _split_names(params):
 
 def _any_nonfinite(tensors: List[torch.Tensor], device: torch.device) -> torch.Tensor:
     """A float32 1.0 on `device` if any element of `tensors` is NaN or Inf, else 0.0, computed
-    there without waiting for it: their 1-norms, which a NaN or Inf makes non-finite (and no
-    finite gradient reaches, at float32's 3.4e38), in one pass over each tensor."""
-    try:
-        norms = torch._foreach_norm(tensors, 1)
-    except (AttributeError, NotImplementedError, RuntimeError, TypeError):  # an older torch
-        norms = [torch.linalg.vector_norm(t, 1) for t in tensors]
-    norms = torch.stack([n.to(device=device, dtype=torch.float32) for n in norms])
-    return (~torch.isfinite(norms)).any().to(torch.float32)
+    there without waiting for it: their 1-norms, which a NaN or Inf makes non-finite, in one
+    pass over each tensor. The norms must not overflow where no element does: a float16 or
+    bfloat16 tensor's is summed into float32 (float16's own range ends at 65504, which three
+    elements of 30000 pass); a float32 or float64 tensor's stays in its dtype (a finite float64
+    1-norm can exceed float32's range), and each dtype's norms are checked in that dtype."""
+    alike: Dict[Tuple[torch.device, torch.dtype], List[torch.Tensor]] = {}
+    for t in tensors:
+        alike.setdefault((t.device, t.dtype), []).append(t)
+    flags = []
+    for (_, dtype), group in alike.items():
+        norm_dtype = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+        try:
+            norms = torch._foreach_norm(group, 1, dtype=norm_dtype)
+        except (AttributeError, NotImplementedError, RuntimeError, TypeError):  # an older torch
+            norms = [torch.linalg.vector_norm(t, 1, dtype=norm_dtype) for t in group]
+        flags.append((~torch.isfinite(torch.stack(norms))).any().to(device))
+    if not flags:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    flag = flags[0] if len(flags) == 1 else torch.stack(flags).any()
+    return flag.to(torch.float32)
 
 
 def _all_gather_ints(values: List[int], process_group, device: torch.device) -> List[List[int]]:

@@ -831,6 +831,50 @@ def test_muon_with_adamw_skips_both_on_a_nonfinite_gradient_of_either(poisoned):
     assert torch.equal(weight.detach(), twin_weight.detach()) and torch.equal(bias.detach(), twin_bias.detach())
 
 
+def test_the_nonfinite_check_finds_nan_and_inf_and_no_overflow_of_finite_gradients():
+    # Finite gradients whose 1-norm passes their dtype's range (float16's 65504, or float32's
+    # 3.4e38 for a float64 norm) are finite; a NaN or Inf in any tensor of any dtype is not.
+    cpu = torch.device("cpu")
+    big_half = torch.full((3,), 30000.0, dtype=torch.float16)
+    big_double = torch.full((3,), 1e39, dtype=torch.float64)
+    finite = [big_half, big_double, torch.ones(4, dtype=torch.bfloat16), torch.ones(5)]
+    assert st._any_nonfinite(finite, cpu).item() == 0.0
+    assert st._any_nonfinite([], cpu).item() == 0.0
+    for index, bad in itertools.product(range(len(finite)), (float("nan"), float("inf"), -float("inf"))):
+        tensors = [t.clone() for t in finite]
+        tensors[index][-1] = bad
+        flag = st._any_nonfinite(tensors, cpu)
+        assert flag.dtype == torch.float32 and flag.item() == 1.0, (index, bad)
+
+
+def _adamw_steps(dtype):
+    probe = torch.nn.Parameter(torch.zeros(2, dtype=dtype))
+    probe.grad = torch.ones(2, dtype=dtype)
+    try:
+        torch.optim.AdamW([probe]).step()
+    except RuntimeError:  # PyTorch 1.13's AdamW on the CPU has no float16 kernels
+        return False
+    return True
+
+
+@pytest.mark.parametrize("dtype,value", [(torch.float64, 1e39), (torch.float16, 30000.0)])
+def test_muon_with_adamw_steps_on_a_finite_adamw_gradient_whose_norm_passes_its_dtypes_range(dtype, value):
+    if not _adamw_steps(dtype):
+        pytest.skip(f"torch.optim.AdamW {torch.__version__} cannot step a {dtype} parameter on the CPU")
+    weight = torch.nn.Parameter(torch.randn(6, 9, dtype=torch.float64))
+    bias = torch.nn.Parameter(torch.zeros(3, dtype=dtype))
+    optimizer = st.MuonWithAdamW([{"params": [weight], "use_muon": True},
+                                  {"params": [bias], "use_muon": False, "lr": 1e-3}], lr=0.02)
+    weight.grad = torch.randn(6, 9, dtype=torch.float64)
+    bias.grad = torch.full((3,), value, dtype=dtype)
+    before = weight.detach().clone()
+    optimizer.step()
+    assert optimizer.nonfinite_counts() == {"skipped_steps": 0, "skipped_params": 0}
+    assert not torch.equal(weight.detach(), before)
+    # AdamW's first step moves each element by lr (its update is m / sqrt(v) = sign(g)).
+    assert torch.allclose(bias.detach().double(), torch.full((3,), -1e-3, dtype=torch.float64), rtol=1e-2)
+
+
 def test_muon_with_adamw_raises_on_an_adamw_gradient_before_writing_and_counts_adamw_alone():
     weight, bias, optimizer = _muon_with_adamw_pair(10, nonfinite="raise")
     _set_grads([weight, bias], 5, poison=1)
