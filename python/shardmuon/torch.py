@@ -36,6 +36,7 @@ beyond that go to further calls over the same group.
 from __future__ import annotations
 
 import ctypes
+import math
 import numbers
 import warnings
 import weakref
@@ -172,10 +173,11 @@ def _stream_of(device: torch.device):
     return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
 
 
-def _split_names(params):
-    """Accepts tensors, dicts, or (name, tensor) pairs; returns torch's form and the names."""
+def _split_names(params, names: Optional[_PerTensor] = None):
+    """Accepts tensors, dicts, or (name, tensor) pairs; returns torch's form and the names
+    (added to `names` where given)."""
     params = list(params)
-    names = _PerTensor()
+    names = _PerTensor() if names is None else names
 
     def unpack(items):
         tensors = []
@@ -230,46 +232,84 @@ def _all_gather_ints(values: List[int], process_group, device: torch.device) -> 
     return torch.stack(gathered).cpu().tolist()
 
 
+def _is_real(value) -> bool:
+    """A Python or NumPy number, not a bool (which is an int to Python)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _check_choice(group: Dict[str, Any], key: str, choices: Dict[str, int], where: str) -> None:
+    value = group[key]
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{where}: unknown {key} {value!r} (one of {sorted(choices)})")
+
+
 def _check_hyperparameters(group: Dict[str, Any], where: str, read_tensors: bool = True) -> None:
-    """Raises a ValueError naming the group and the bad value. read_tensors=False leaves a
-    tensor learning rate unread (at a step, which may be captured in a CUDA graph: reading a
-    CUDA tensor would synchronize)."""
+    """Raises a ValueError naming the group and the bad value (a wrong type included).
+    read_tensors=False leaves a tensor learning rate unread (at a step, which may be captured
+    in a CUDA graph: reading a CUDA tensor would synchronize)."""
+    if not (torch.is_tensor(group["lr"]) or _is_real(group["lr"])):
+        raise ValueError(f"{where}: lr must be a number or a tensor, got {group['lr']!r}")
+    for key in ("momentum", "weight_decay", "extra_scale_factor", "eps"):
+        if not _is_real(group[key]):
+            raise ValueError(f"{where}: {key} must be a number, got {group[key]!r}")
+    steps = group["num_ns_steps"]
+    if isinstance(steps, bool) or not isinstance(steps, numbers.Integral):
+        raise ValueError(f"{where}: num_ns_steps must be an int, got {steps!r}")
     if (read_tensors or not torch.is_tensor(group["lr"])) and not (group["lr"] >= 0.0):
         raise ValueError(f"{where}: invalid learning rate: {group['lr']}")
     if not (0.0 <= group["momentum"] < 1.0):
         raise ValueError(f"{where}: invalid momentum value: {group['momentum']}")
     if not (group["weight_decay"] >= 0.0):
         raise ValueError(f"{where}: invalid weight_decay value: {group['weight_decay']}")
-    if group["num_ns_steps"] < 1:
-        raise ValueError(f"{where}: num_ns_steps must be at least 1, got {group['num_ns_steps']}")
-    if group["coefficient_type"] not in c.SCHEDULES:
-        raise ValueError(f"{where}: unknown coefficient_type {group['coefficient_type']!r} "
-                         f"(one of {sorted(c.SCHEDULES)})")
+    if steps < 1:
+        raise ValueError(f"{where}: num_ns_steps must be at least 1, got {steps}")
+    _check_choice(group, "coefficient_type", c.SCHEDULES, where)
     if group["coefficient_type"] == "custom":
         coefficients = group["custom_coefficients"]
-        if (coefficients is None or len(coefficients) != group["num_ns_steps"]
-                or any(len(triple) != 3 for triple in coefficients)):
+        try:
+            fits = len(coefficients) == steps and all(
+                len(triple) == 3 and all(_is_real(x) for x in triple) for triple in coefficients)
+        except TypeError:  # None, or not sequences
+            fits = False
+        if not fits:
             raise ValueError(f"{where}: coefficient_type='custom' needs custom_coefficients with one "
                              f"(a, b, c) per step ({group['num_ns_steps']}), got {coefficients!r}")
-    if group["scale_mode"] not in c.SCALE_MODES:
-        raise ValueError(f"{where}: unknown scale_mode {group['scale_mode']!r} (one of {sorted(c.SCALE_MODES)})")
+    _check_choice(group, "scale_mode", c.SCALE_MODES, where)
     decoupled, mode = group.get("use_decoupled_weight_decay"), group.get("weight_decay_mode")
+    if decoupled is not None and not isinstance(decoupled, bool):
+        raise ValueError(f"{where}: use_decoupled_weight_decay must be None, True or False, got {decoupled!r}")
+    if mode is not None and (not isinstance(mode, str) or mode not in c.WEIGHT_DECAY_MODES):
+        raise ValueError(f"{where}: unknown weight_decay_mode {mode!r} (one of {sorted(c.WEIGHT_DECAY_MODES)})")
     if decoupled is not None and mode is not None and mode != ("decoupled" if decoupled else "l2"):
         raise ValueError(f"{where}: use_decoupled_weight_decay={decoupled} contradicts "
                          f"weight_decay_mode={mode!r}")
-    if _weight_decay_mode(group) not in c.WEIGHT_DECAY_MODES:
-        raise ValueError(f"{where}: unknown weight_decay_mode {group['weight_decay_mode']!r} "
-                         f"(one of {sorted(c.WEIGHT_DECAY_MODES)})")
-    if group["algorithm"] not in c.ALGORITHMS:
-        raise ValueError(f"{where}: unknown algorithm {group['algorithm']!r} (one of {sorted(c.ALGORITHMS)})")
+    _check_choice(group, "algorithm", c.ALGORITHMS, where)
     try:
         _ns_storage(group.get("ns_dtype"))
     except (KeyError, TypeError):
         raise ValueError(f"{where}: ns_dtype must be None (the parameter's dtype), torch.bfloat16 or "
                          f"torch.float32, got {group.get('ns_dtype')!r}") from None
-    if group["partition_dim"] not in (None, -1, 0, 1, "flat"):
+    if isinstance(group["partition_dim"], bool) or group["partition_dim"] not in (None, -1, 0, 1, "flat"):
         raise ValueError(f"{where}: partition_dim must be 0, 1, -1 (replicated) or \"flat\", got "
                          f"{group['partition_dim']!r}")
+
+
+def _check_adamw_hyperparameters(group: Dict[str, Any], where: str) -> None:
+    """An AdamW group's values (torch.optim.AdamW checks only its defaults): a ValueError naming
+    the group and the bad value."""
+    lr, betas, eps = group.get("lr"), group["betas"], group["eps"]
+    if lr is not None and not torch.is_tensor(lr) and not (_is_real(lr) and lr >= 0.0):
+        raise ValueError(f"{where}: lr must be a number of at least 0 or a tensor, got {lr!r}")
+    try:
+        fits = len(betas) == 2 and all(_is_real(b) and 0.0 <= b < 1.0 for b in betas)
+    except TypeError:
+        fits = False
+    if not fits:
+        raise ValueError(f"{where}: betas must be two numbers in [0, 1), got {betas!r}")
+    if not (_is_real(eps) and eps >= 0.0):
+        raise ValueError(f"{where}: eps must be a number of at least 0, got {eps!r}")
+    if not (_is_real(group["weight_decay"]) and group["weight_decay"] >= 0.0):
+        raise ValueError(f"{where}: weight_decay must be a number of at least 0, got {group['weight_decay']!r}")
 
 
 def _weight_decay_mode(group: Dict[str, Any]) -> str:
@@ -385,13 +425,16 @@ class Muon(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         """torch.optim's, and the group's values checked: a bad one raises a ValueError naming
-        it, and the group is not added."""
+        it, and the group is not added. Its params may be (name, tensor) pairs, as in the
+        constructor."""
+        if isinstance(param_group, dict) and isinstance(param_group.get("params"), (list, tuple)):
+            [param_group], _ = _split_names([param_group], self._param_names)
         super().add_param_group(param_group)
         index = len(self.param_groups) - 1
         where = f"Muon param_groups[{index}]"
         try:
             _check_hyperparameters(self._hyperparameters(self.param_groups[index], where), where)
-        except ValueError:
+        except (ValueError, TypeError):
             self.param_groups.pop()
             raise
 
@@ -616,6 +659,8 @@ class Muon(torch.optim.Optimizer):
         entries, failure = [], None
         for group_index, group in self._muon_groups():
             for index, param in enumerate(group["params"]):
+                if self._no_matrix(param, group):
+                    continue
                 name = _ParamName(self._param_names, param, group_index, index)
                 try:
                     entry = self._entry(param, group, group_index, name)
@@ -625,6 +670,27 @@ class Muon(torch.optim.Optimizer):
                              "process_group": self._process_group_of(param, name)}
                 entries.append(entry)
         return entries, failure
+
+    def _no_matrix(self, param, group) -> bool:
+        """Whether the parameter's matrix has no element on any rank (a (0, n) weight, a stack
+        of no experts): nothing to step, as torch's optimizers step nothing there, and no
+        library call (which refuses an empty matrix). Decided from what every rank knows
+        alike, whatever its own piece: a rank's piece of a split matrix may be empty alone."""
+        if param.numel() != 0:
+            return False
+        if is_dtensor(param) or group_size(self.process_group) == 1:  # numel is the whole matrix's
+            return True
+        try:
+            dim = self._partition_dim(param, group, "")
+        except ValueError:
+            return False  # _entry raises it, naming the parameter
+        if dim == "flat":
+            return math.prod(int(x) for x in param.muon_shape) == 0
+        if dim in (0, 1) and param.ndim == 2:
+            return param.shape[1 - dim] == 0  # the side no rank splits
+        if dim == 1 and param.ndim == 3:  # experts x rows x a block of columns
+            return param.shape[0] * param.shape[1] == 0
+        return param.ndim in (2, 3)  # not split: the whole of it is here
 
     def _process_group_of(self, param, name):
         if is_dtensor(param):
@@ -1000,7 +1066,8 @@ class Muon(torch.optim.Optimizer):
         muon_groups = self._muon_groups()
         if _membership(muon_groups) != cache.groups:
             return None
-        params = [param for _, group in muon_groups for param in group["params"]]
+        params = [param for _, group in muon_groups for param in group["params"]
+                  if not self._no_matrix(param, group)]
         gradients, grads, state = [], [], self.state
         for param, slot in zip(params, cache.slots):
             reference, struct, address, shape, dtype, device, attributes, placement, momentum, momentum_address = slot
@@ -1189,7 +1256,8 @@ class MuonWithAdamW(Muon):
     """Muon for the groups marked ``use_muon=True`` and torch.optim.AdamW for the others
     (embeddings, norms, biases, the output head), in one optimizer: one ``step``,
     ``zero_grad``, ``state_dict`` and LR scheduler for both. AdamW groups take ``lr``,
-    ``betas``, ``eps`` and ``weight_decay`` (defaults: adamw_betas, adamw_eps, 0.0).
+    ``betas``, ``eps`` and ``weight_decay`` (defaults: adamw_betas, adamw_eps, 0.0): an
+    AdamW group's ``eps`` is AdamW's, a Muon group's Muon's.
     ``muon_param_groups(model)`` builds such groups from a model.
 
     Under ``nonfinite`` "skip" or "raise", a NaN or Inf in any gradient, Muon's or AdamW's,
@@ -1204,7 +1272,7 @@ class MuonWithAdamW(Muon):
 
     def __init__(self, param_groups: List[Dict[str, Any]], *, adamw_betas=(0.9, 0.95),
                  adamw_eps: float = 1e-8, **muon_kwargs):
-        self._adamw_defaults = {"betas": adamw_betas, "adamw_eps": adamw_eps, "weight_decay": 0.0}
+        self._adamw_defaults = {"betas": adamw_betas, "eps": adamw_eps, "weight_decay": 0.0}
         param_groups = [self._with_adamw_defaults(group, index) for index, group in enumerate(param_groups)]
         super().__init__(param_groups, **muon_kwargs)
         # torch.optim.AdamW refuses an empty list: without AdamW groups it is made when the
@@ -1220,6 +1288,7 @@ class MuonWithAdamW(Muon):
         if not group["use_muon"]:
             for key, value in self._adamw_defaults.items():
                 group.setdefault(key, value)
+            _check_adamw_hyperparameters(group, f"MuonWithAdamW param_groups[{index}]")
         return group
 
     @staticmethod
@@ -1238,7 +1307,7 @@ class MuonWithAdamW(Muon):
     @staticmethod
     def _adamw_group(group: Dict[str, Any]) -> Dict[str, Any]:
         return {"params": group["params"], "lr": group["lr"], "betas": group["betas"],
-                "eps": group["adamw_eps"], "weight_decay": group["weight_decay"]}
+                "eps": group["eps"], "weight_decay": group["weight_decay"]}
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         """Muon's; a group added after construction with use_muon=False joins AdamW too."""
@@ -1296,7 +1365,7 @@ class MuonWithAdamW(Muon):
             theirs["lr"] = ours["lr"]
             theirs["weight_decay"] = ours["weight_decay"]
             theirs["betas"] = ours["betas"]
-            theirs["eps"] = ours["adamw_eps"]
+            theirs["eps"] = ours["eps"]
         fused = any(g.get("fused") for g in self._adam.param_groups)
         if self._verdict is None:  # "proceed", or no gradient to check
             self._adam.found_inf = None
@@ -1320,7 +1389,15 @@ class MuonWithAdamW(Muon):
             self._adam.step()
 
     def load_state_dict(self, state_dict):
-        super().load_state_dict(state_dict)
+        # Saved before the forty-first session, an AdamW group kept AdamW's eps as "adamw_eps"
+        # (and Muon's default under "eps", which it ignored).
+        groups = []
+        for group in state_dict["param_groups"]:
+            if not group.get("use_muon", True) and "adamw_eps" in group:
+                group = dict(group)
+                group["eps"] = group.pop("adamw_eps")
+            groups.append(group)
+        super().load_state_dict({**state_dict, "param_groups": groups})
         self._link_adam()
 
 
@@ -1422,15 +1499,19 @@ def muon_param_groups(model: torch.nn.Module, *, muon_lr: float, adamw_lr: float
     """Groups for MuonWithAdamW: the weight matrices go to Muon (2D weights, 3D expert stacks
     and 1D tensors marked as flat shards of a matrix), except embeddings (nn.Embedding modules)
     and parameters whose name contains one of ``exclude`` (the output head), which Muon users
-    train with AdamW; everything else (norms, biases) goes to AdamW."""
-    embedding_params = {id(p) for module in model.modules() if isinstance(module, torch.nn.Embedding)
-                        for p in module.parameters(recurse=False)}
+    train with AdamW; everything else (norms, biases) goes to AdamW. So do convolution
+    kernels (nn.Conv1d/2d/3d and their transposes): a Conv1d's (out, in, k) weight is one
+    matrix, not a stack of ``out`` experts, and Muon here takes no 4D or 5D one."""
+    not_muon = (torch.nn.Embedding, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d,
+                torch.nn.ConvTranspose1d, torch.nn.ConvTranspose2d, torch.nn.ConvTranspose3d)
+    other_params = {id(p) for module in model.modules() if isinstance(module, not_muon)
+                    for p in module.parameters(recurse=False)}
     muon, adam = [], []
     for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
         matrix = param.ndim in (2, 3) or getattr(param, "partition_dim", None) == "flat"
-        if matrix and id(param) not in embedding_params and not any(word in name for word in exclude):
+        if matrix and id(param) not in other_params and not any(word in name for word in exclude):
             muon.append((name, param))
         else:
             adam.append(param)
@@ -1541,9 +1622,14 @@ class NewtonSchulz:
         if partition_dim not in (0, 1, None, "flat"):
             raise ValueError(f"shardmuon: partition_dim must be 0, 1, \"flat\" or None, got "
                              f"{partition_dim!r}")
+        extent = None if partition_dim is None else rows * cols if partition_dim == "flat" else (
+            rows, cols)[partition_dim]
         if partition_dim is None or size == 1:
+            # One rank holds it all: shard_sizes, where given, must say so.
+            if extent is not None and shard_sizes is not None and [int(x) for x in shard_sizes] != [extent]:
+                raise ValueError(f"shardmuon: shard_sizes must be [{extent}] on a group of one rank, got "
+                                 f"{list(shard_sizes)!r}")
             return c.Layout(rows, cols, c.REPLICATED, 1, None)
-        extent = rows * cols if partition_dim == "flat" else (rows, cols)[partition_dim]
         if shard_sizes is None:
             shard_sizes = [extent // size + (1 if r < extent % size else 0) for r in range(size)]
         array = (ctypes.c_int64 * len(shard_sizes))(*[int(x) for x in shard_sizes])
@@ -1625,8 +1711,11 @@ class NewtonSchulz:
         context, comm = self._runtimes.get(shard.device, process_group)
         keepalive = []
         layout = self._layout(shape, partition_dim, shard_sizes, keepalive, process_group)
-        # The library sees a pointer only: the shard's extent is checked here.
+        # The library sees a pointer only: the shard's extent is checked here. A flat shard is
+        # 1D, also where one rank holds every element.
         expected = [layout.rows, layout.cols]
+        if partition_dim == "flat" and layout.partition == c.REPLICATED:
+            expected = [layout.rows * layout.cols]
         if layout.partition != c.REPLICATED:
             dim = 0 if layout.partition == c.SHARDED_DIM0 else 1
             if layout.num_shards != group_size(process_group):

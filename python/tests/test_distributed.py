@@ -368,6 +368,40 @@ def test_experts_sharded_by_columns_match_each_expert_alone(world):
     launch(_experts_sharded_by_columns, world)
 
 
+def _matrices_without_elements(rank, world):
+    # Empty on every rank: (9, 0) split by rows, (0, 11) by columns, no experts' rows; the
+    # ranks' own pieces differ (9 rows split 3, 0, 6 over three ranks), the decision does not.
+    generator = torch.Generator().manual_seed(12)
+    whole = 0.05 * torch.randn(10, 7, dtype=torch.float64, generator=generator)
+    grads = [torch.randn(10, 7, dtype=torch.float64, generator=generator) for _ in range(2)]
+    sizes = split(10, WEIGHTS[world])
+    weight = torch.nn.Parameter(shard_of(whole, 0, sizes, rank))
+    empties = [(torch.zeros(9, 0, dtype=torch.float64), 0, 0), (torch.zeros(0, 11, dtype=torch.float64), 1, 1),
+               (torch.zeros(0, 4, 11, dtype=torch.float64), 2, 2)]
+    params = [weight]
+    for empty, dim, cut in empties:
+        param = torch.nn.Parameter(shard_of(empty, cut, split(empty.shape[cut], WEIGHTS[world]), rank))
+        param.partition_dim = dim
+        params.append(param)
+    weight.partition_dim = 0
+    optimizer = st.Muon(params, lr=0.02, weight_decay=0.0, process_group=dist.group.WORLD)
+    expected, momentum = whole, torch.zeros_like(whole)
+    for grad in grads:
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        weight.grad = shard_of(grad, 0, sizes, rank)
+        optimizer.step()
+        expected, momentum = reference.muon_step(expected, grad, momentum, lr=0.02, weight_decay=0.0)
+    if weight.numel():  # rank 1 of three holds no row
+        assert reference.relative_error(weight.detach(), shard_of(expected, 0, sizes, rank)) < 1e-11, rank
+    assert list(optimizer.plan()) == ["param_groups[0]['params'][0]"]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_matrices_without_elements_are_left_alone_on_every_rank(world):
+    launch(_matrices_without_elements, world)
+
+
 def _flat_shards(rank, world, algorithm):
     """ZeRO-style sharding: the parameters' elements laid end to end in one flat buffer, cut
     into uneven contiguous ranges (one per rank; an empty one from 3 ranks on); each rank's

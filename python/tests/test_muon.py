@@ -5,6 +5,7 @@ import ctypes
 import gc
 import io
 import itertools
+import re
 import weakref
 
 import pytest
@@ -594,6 +595,112 @@ def test_groups_added_or_changed_later_are_checked():
     assert torch.equal(other.detach(), twin.detach())  # the added group's own lr
 
 
+@pytest.mark.parametrize("key,value", [("lr", None), ("lr", "0.02"), ("momentum", "0.95"), ("weight_decay", [0.1]),
+                                       ("num_ns_steps", 2.5), ("num_ns_steps", True), ("eps", None),
+                                       ("extra_scale_factor", "2"), ("weight_decay_mode", ["l2"]),
+                                       ("coefficient_type", ["quintic"]), ("scale_mode", {}),
+                                       ("algorithm", None), ("use_decoupled_weight_decay", "yes"),
+                                       ("partition_dim", True), ("custom_coefficients", 5)])
+def test_a_hyperparameter_of_the_wrong_type_is_refused_by_name_and_its_group_not_added(key, value):
+    weight, other = torch.nn.Parameter(torch.randn(4, 6)), torch.nn.Parameter(torch.randn(5, 3))
+    extra = {"coefficient_type": "custom"} if key == "custom_coefficients" else {}
+    optimizer = st.Muon([weight], lr=0.02)
+    with pytest.raises(ValueError, match=rf"Muon param_groups\[1\]: .*{key}.*{re.escape(repr(value))}"):
+        optimizer.add_param_group({"params": [other], key: value, **extra})
+    assert len(optimizer.param_groups) == 1
+    with pytest.raises(ValueError, match=rf"Muon: .*{key}"):
+        st.Muon([other], **{key: value, **extra})
+    optimizer.add_param_group({"params": [other]})  # the same parameter, now well given
+    weight.grad, other.grad = torch.randn(4, 6), torch.randn(5, 3)
+    optimizer.step()
+
+
+def test_num_ns_steps_takes_numpy_ints_and_numbers_take_numpy_floats():
+    numpy = pytest.importorskip("numpy")
+    weight = torch.nn.Parameter(torch.randn(4, 6))
+    twin = torch.nn.Parameter(weight.detach().clone())
+    weight.grad, twin.grad = torch.randn(4, 6), None
+    twin.grad = weight.grad.clone()
+    st.Muon([weight], lr=numpy.float64(0.02), momentum=numpy.float32(0.9), num_ns_steps=numpy.int64(4)).step()
+    st.Muon([twin], lr=0.02, momentum=float(numpy.float32(0.9)), num_ns_steps=4).step()
+    assert torch.equal(weight.detach(), twin.detach())
+
+
+def test_muon_with_adamw_groups_use_their_own_eps_and_check_their_values():
+    torch.manual_seed(8)
+    weight, bias = torch.nn.Parameter(torch.randn(6, 4)), torch.nn.Parameter(torch.randn(6))
+    twin = torch.nn.Parameter(bias.detach().clone())
+    optimizer = st.MuonWithAdamW([{"params": [weight], "use_muon": True},
+                                  {"params": [bias], "use_muon": False, "lr": 1e-2, "eps": 0.5}], eps=1e-6)
+    assert optimizer.param_groups[0]["eps"] == 1e-6 and optimizer.param_groups[1]["eps"] == 0.5
+    adam = torch.optim.AdamW([twin], lr=1e-2, betas=(0.9, 0.95), eps=0.5, weight_decay=0.0)
+    for step in range(2):
+        weight.grad, bias.grad = torch.randn(6, 4), torch.full((6,), 1e-2 * (step + 1))
+        twin.grad = bias.grad.clone()
+        optimizer.step()
+        adam.step()
+    assert torch.equal(bias.detach(), twin.detach())
+    # The default is adamw_eps; a state dict saved when the AdamW eps was kept as "adamw_eps"
+    # loads with it as the group's eps.
+    plain = st.MuonWithAdamW([{"params": [weight], "use_muon": True},
+                              {"params": [bias], "use_muon": False}], adamw_eps=1e-5)
+    assert plain.param_groups[1]["eps"] == 1e-5 and plain.param_groups[0]["eps"] == 1e-7
+    saved = plain.state_dict()
+    saved["param_groups"][1]["adamw_eps"] = 3e-4
+    saved["param_groups"][1]["eps"] = 1e-7
+    plain.load_state_dict(saved)
+    assert plain.param_groups[1]["eps"] == 3e-4 and "adamw_eps" not in plain.param_groups[1]
+    weight.grad, bias.grad = torch.randn(6, 4), torch.randn(6)
+    plain.step()
+    assert plain._adam.param_groups[0]["eps"] == 3e-4
+    for key, value in [("betas", (0.9, 1.5)), ("betas", 0.9), ("eps", -1.0), ("eps", "1e-8"),
+                       ("weight_decay", -0.1), ("lr", "1e-3")]:
+        with pytest.raises(ValueError, match=rf"MuonWithAdamW param_groups\[2\]: {key} must be"):
+            plain.add_param_group({"params": [torch.nn.Parameter(torch.randn(3))], "use_muon": False, key: value})
+        assert len(plain.param_groups) == 2
+
+
+def test_add_param_group_takes_named_parameters_as_the_constructor_does():
+    weight, late = torch.nn.Parameter(torch.randn(4, 6)), torch.nn.Parameter(torch.randn(5, 3))
+    optimizer = st.Muon([("first.weight", weight)], lr=0.02)
+    optimizer.add_param_group({"params": [("late.weight", late)], "lr": 0.01})
+    assert optimizer.param_groups[1]["params"][0] is late
+    weight.grad, late.grad = torch.randn(4, 6), torch.randn(5, 3)
+    assert set(optimizer.plan()) == {"first.weight", "late.weight"}
+    late.grad = torch.randn(3, 5).T  # its name in the error
+    with pytest.raises(ValueError, match=r"late\.weight .*its gradient is not a contiguous"):
+        optimizer.step()
+    groups = st.muon_param_groups(torch.nn.Linear(6, 4), muon_lr=0.02, adamw_lr=1e-3)
+    both = st.MuonWithAdamW([groups[1]])
+    both.add_param_group(groups[0])
+    assert "weight" in both.plan()
+
+
+def test_muon_param_groups_gives_convolution_kernels_to_adamw():
+    model = torch.nn.Sequential(torch.nn.Conv1d(4, 8, 3), torch.nn.Conv2d(8, 8, 3), torch.nn.Linear(8, 4),
+                                torch.nn.ConvTranspose1d(4, 4, 3))
+    muon, adamw = st.muon_param_groups(model, muon_lr=0.02, adamw_lr=1e-3)
+    assert [name for name, _ in muon["params"]] == ["2.weight"]
+    assert len(adamw["params"]) == 7
+
+
+@pytest.mark.parametrize("shape", [(0, 6), (6, 0), (0, 4, 6), (3, 0, 6)])
+def test_a_parameter_without_elements_is_left_alone_and_the_others_step(shape):
+    weight, empty = torch.nn.Parameter(torch.randn(5, 7)), torch.nn.Parameter(torch.randn(*shape))
+    twin = torch.nn.Parameter(weight.detach().clone())
+    optimizer, alone = st.Muon([("weight", weight), ("empty", empty)], lr=0.02), st.Muon([twin], lr=0.02)
+    for step in range(3):  # the second and third reuse the first's arguments
+        weight.grad, empty.grad = torch.randn(5, 7), torch.randn(*shape)
+        twin.grad = weight.grad.clone()
+        optimizer.step()
+        alone.step()
+    assert torch.equal(weight.detach(), twin.detach())
+    assert empty not in optimizer.state and "empty" not in optimizer.plan()
+    only_empty = st.Muon([empty])
+    only_empty.step()  # nothing to do
+    assert only_empty.plan() == {}
+
+
 def test_muon_with_adamw_steps_an_adamw_group_added_later():
     torch.manual_seed(5)
     weight, bias, late = (torch.nn.Parameter(torch.randn(*shape)) for shape in [(6, 4), (6,), (3,)])
@@ -649,6 +756,20 @@ def test_newton_schulz_rejects_bad_arguments():
         ns(torch.randn(4, 6), (4, 6), partition_dim=2)
     with pytest.raises(shardmuon.ShardmuonError, match="num_iterations"):
         st.NewtonSchulz(ns_steps=0)(torch.randn(4, 6), (4, 6))
+
+
+def test_newton_schulz_takes_a_flat_shard_on_one_rank_as_on_several():
+    ns = st.NewtonSchulz()
+    matrix = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    whole, flat = matrix.clone(), matrix.reshape(-1).clone()
+    ns(whole, (3, 4))
+    assert ns(flat, (3, 4), "flat") is flat and torch.equal(flat, whole.reshape(-1))
+    ns(matrix.reshape(-1).clone(), (3, 4), "flat", [12])
+    with pytest.raises(ValueError, match=r"must be 12, got \(3, 4\)"):
+        ns(matrix.clone(), (3, 4), "flat")
+    for dim, sizes in (("flat", [6, 6]), (0, [2])):
+        with pytest.raises(ValueError, match=r"shard_sizes must be \[(12|3)\] on a group of one rank"):
+            ns(matrix.reshape(-1).clone() if dim == "flat" else matrix.clone(), (3, 4), dim, sizes)
 
 
 def test_newton_schulz_estimate_grows_with_the_work():
@@ -857,22 +978,24 @@ def _adamw_steps(dtype):
     return True
 
 
-@pytest.mark.parametrize("dtype,value", [(torch.float64, 1e39), (torch.float16, 30000.0)])
-def test_muon_with_adamw_steps_on_a_finite_adamw_gradient_whose_norm_passes_its_dtypes_range(dtype, value):
+# 100 float16 elements of 1000 sum to 1e5 (past 65504) while AdamW's float16 second moment,
+# 0.05 * 1000^2, stays in range; 1e39 passes float32's range, where a float64 norm was put.
+@pytest.mark.parametrize("dtype,value,size", [(torch.float64, 1e39, 3), (torch.float16, 1000.0, 100)])
+def test_muon_with_adamw_steps_on_a_finite_adamw_gradient_whose_norm_passes_its_dtypes_range(dtype, value, size):
     if not _adamw_steps(dtype):
         pytest.skip(f"torch.optim.AdamW {torch.__version__} cannot step a {dtype} parameter on the CPU")
     weight = torch.nn.Parameter(torch.randn(6, 9, dtype=torch.float64))
-    bias = torch.nn.Parameter(torch.zeros(3, dtype=dtype))
+    bias = torch.nn.Parameter(torch.zeros(size, dtype=dtype))
     optimizer = st.MuonWithAdamW([{"params": [weight], "use_muon": True},
                                   {"params": [bias], "use_muon": False, "lr": 1e-3}], lr=0.02)
     weight.grad = torch.randn(6, 9, dtype=torch.float64)
-    bias.grad = torch.full((3,), value, dtype=dtype)
+    bias.grad = torch.full((size,), value, dtype=dtype)
     before = weight.detach().clone()
     optimizer.step()
     assert optimizer.nonfinite_counts() == {"skipped_steps": 0, "skipped_params": 0}
     assert not torch.equal(weight.detach(), before)
     # AdamW's first step moves each element by lr (its update is m / sqrt(v) = sign(g)).
-    assert torch.allclose(bias.detach().double(), torch.full((3,), -1e-3, dtype=torch.float64), rtol=1e-2)
+    assert torch.allclose(bias.detach().double(), torch.full((size,), -1e-3, dtype=torch.float64), rtol=1e-2)
 
 
 def test_muon_with_adamw_raises_on_an_adamw_gradient_before_writing_and_counts_adamw_alone():

@@ -523,15 +523,16 @@ def muon_with_adamw_checks(device):
     except Exception as failure:  # noqa: BLE001 (the check reports any failure)
         ok, detail = False, f"({failure})"
     record("MuonWithAdamW: a state dict mapped to the CPU resumes the fused AdamW bit for bit", ok, detail)
-    # A float16 AdamW parameter whose finite gradient's 1-norm passes float16's range (65504)
-    # steps; one NaN among gradients of every dtype is found (the CUDA _foreach_norm path).
-    half = torch.nn.Parameter(torch.zeros(3, dtype=torch.float16, device=device))
+    # A float16 AdamW parameter whose finite gradient's 1-norm passes float16's range (100 x
+    # 1000 > 65504; AdamW's second moment, 0.05 x 1000^2, stays within it) steps; one NaN
+    # among gradients of every dtype is found (the CUDA _foreach_norm path).
+    half = torch.nn.Parameter(torch.zeros(100, dtype=torch.float16, device=device))
     halves = st.MuonWithAdamW([{"params": [torch.nn.Parameter(weight.detach().clone())], "use_muon": True},
                                {"params": [half], "use_muon": False, "lr": 1e-3}], lr=0.02)
     halves.param_groups[0]["params"][0].grad = torch.randn(64, 48, generator=generator).to(device)
-    half.grad = torch.full((3,), 30000.0, dtype=torch.float16, device=device)
+    half.grad = torch.full((100,), 1000.0, dtype=torch.float16, device=device)
     halves.step()
-    moved = torch.allclose(half.detach().float(), torch.full((3,), -1e-3, device=device), rtol=1e-2)
+    moved = torch.allclose(half.detach().float(), torch.full((100,), -1e-3, device=device), rtol=1e-2)
     finite = [torch.full((3,), 30000.0, dtype=torch.float16, device=device),
               torch.ones(1000, dtype=torch.bfloat16, device=device), torch.ones(1000, device=device),
               torch.full((3,), 1e39, dtype=torch.float64, device=device)]
