@@ -61,7 +61,9 @@ typedef enum shardmuon_status {
   /* The other ranks did not join the call's argument exchange in time (see
    * shardmuon_comm_set_timeout); the communicator handle is unusable afterwards. */
   SHARDMUON_ERROR_TIMEOUT = 12,
-  /* A gradient or an update was not finite and the policy is RAISE; nothing was written. */
+  /* A gradient or an update was not finite and the policy is RAISE. For a non-finite gradient
+   * (or a set step flag) nothing was written; for a non-finite update, the parameters the
+   * message names and their momentum were left as they were, the others were updated. */
   SHARDMUON_ERROR_NON_FINITE = 13
 } shardmuon_status;
 
@@ -136,7 +138,8 @@ typedef enum shardmuon_schedule {
 typedef enum shardmuon_ns_algorithm {
   /* Let the library choose the distribution and, on it, the standard iteration, (e)'s or (c)'s
    * (below) by its cost model: (e) where the long side is well above the short one, (c) where
-   * a Gram summed over 3 or more ranks makes it cheaper. The others name the standard
+   * it is cheaper on a Gram summed over 2 or more ranks (large square matrices). The others
+   * name the standard
    * iteration, except GRAM_NEWTON_SCHULZ and GRAM_APPLIED_TWICE. */
   SHARDMUON_NS_AUTO = 0,
   /* (a) all-gather the matrix, run the whole iteration on every rank, keep the own shard. */
@@ -283,9 +286,10 @@ SHARDMUON_API shardmuon_status shardmuon_context_set_step_flag(shardmuon_context
                                                                float* flag);
 
 /* For a step whose parameters are split over several communicators (a device mesh's
- * dimensions: one shardmuon_muon_step per communicator): sums the context's step flag over the
- * ranks of comm, in stream order, once the ranks have agreed that each of them makes this call
- * under the same non-finite policy. Made over each communicator in turn, before the first
+ * dimensions: one shardmuon_muon_step per communicator): replaces the context's step flag with
+ * the number of ranks of comm whose flag is set (non-zero, NaN included; so flags of opposite
+ * signs cannot cancel), in stream order, once the ranks have agreed that each of them makes this
+ * call under the same non-finite policy. Made over each communicator in turn, before the first
  * step, with the flag holding whether anything of this rank's whole step is not finite, it
  * leaves every rank of a mesh the same flag (for communicators along its dimensions), so that
  * all the steps skip or none does: without it, a step reads only its own communicator's

@@ -138,7 +138,12 @@ struct Layout {
   static Layout replicated(int64_t rows, int64_t cols) {
     return {rows, cols, SHARDMUON_REPLICATED, {}};
   }
+  // dim: 0 (rows split) or 1 (columns split).
   static Layout sharded(int64_t rows, int64_t cols, int dim, std::vector<int64_t> sizes) {
+    if (dim != 0 && dim != 1) {
+      throw Error(SHARDMUON_ERROR_INVALID_ARGUMENT,
+                  "Layout::sharded: dim must be 0 or 1, got " + std::to_string(dim));
+    }
     return {rows, cols, dim == 0 ? SHARDMUON_SHARDED_DIM0 : SHARDMUON_SHARDED_DIM1,
             std::move(sizes)};
   }
@@ -182,7 +187,10 @@ inline shardmuon_muon_group default_muon_group() {
 
 // A Muon optimizer that owns its parameters' momentum buffers, for C++ training code. Every
 // rank of the communicator registers the same parameters in the same order (with its own
-// shards) and calls step, save and load together.
+// shards) and calls step, save and load together. It keeps the handles of the Context and Comm
+// it is given, not the wrappers (which may be moved, or be temporaries of borrow()): the
+// context and communicator they wrap must outlive it. A Context or Comm passed as a temporary
+// that owns its handle is taken over, and destroyed with the Muon.
 //
 //   shardmuon::Muon muon(context, comm, {shardmuon::default_muon_group()});
 //   muon.add_parameter("layers.0.qkv.weight", qkv, SHARDMUON_BFLOAT16,
@@ -192,15 +200,29 @@ inline shardmuon_muon_group default_muon_group() {
 class Muon {
  public:
   Muon(const Context& context, const Comm& comm, std::vector<shardmuon_muon_group> groups)
-      : context_(context), comm_(comm), groups_(std::move(groups)) {}
+      : context_(context.get()), comm_(comm.get()), groups_(std::move(groups)) {}
+  Muon(Context&& context, const Comm& comm, std::vector<shardmuon_muon_group> groups)
+      : Muon(context, comm, std::move(groups)) {
+    owned_context_.emplace(std::move(context));
+  }
+  Muon(const Context& context, Comm&& comm, std::vector<shardmuon_muon_group> groups)
+      : Muon(context, comm, std::move(groups)) {
+    owned_comm_.emplace(std::move(comm));
+  }
+  Muon(Context&& context, Comm&& comm, std::vector<shardmuon_muon_group> groups)
+      : Muon(context, comm, std::move(groups)) {
+    owned_context_.emplace(std::move(context));
+    owned_comm_.emplace(std::move(comm));
+  }
   ~Muon() {
-    for (Entry& entry : entries_) shardmuon_buffer_destroy(context_.get(), entry.momentum);
+    for (Entry& entry : entries_) shardmuon_buffer_destroy(context_, entry.momentum);
   }
   Muon(const Muon&) = delete;
   Muon& operator=(const Muon&) = delete;
 
   // Registers a parameter and allocates its momentum buffer (zeros) in the context's
-  // memory. Returns its index.
+  // memory. Returns its index. The parameter is checked as a step would check it (on this
+  // rank), so that a bad one is refused here rather than failing every later step.
   // row_blocks: matrices stacked along dim 0, each orthogonalized on its own (the experts of
   // an MoE weight, the heads of a fused QKV; shardmuon_muon_param.row_blocks).
   size_t add_parameter(const std::string& name, void* param, shardmuon_dtype dtype,
@@ -212,7 +234,7 @@ class Muon {
     entry.param.dtype = dtype;
     entry.param.group = group;
     entry.param.row_blocks = row_blocks;
-    const int ranks = comm_.size();
+    const int ranks = comm_size();
     // The momentum buffer is sized from this rank's shard size before the library sees the
     // layout, so a list of sizes of another length is refused here.
     if (!layout.shard_sizes.empty() && layout.shard_sizes.size() != static_cast<size_t>(ranks)) {
@@ -222,8 +244,17 @@ class Muon {
                       "communicator of " + std::to_string(ranks) + " ranks");
     }
     const shardmuon_layout view = entry.layout.view(ranks);
+    shardmuon_muon_param checked = entry.param;
+    checked.layout = view;
+    checked.no_grad = 1;  // nor is the momentum read: it does not exist yet
+    const shardmuon_status status =
+        shardmuon_muon_plan(context_, comm_, &checked, 1, groups_.data(),
+                            static_cast<int>(groups_.size()), nullptr, nullptr);
+    if (status != SHARDMUON_SUCCESS) {
+      throw Error(status, "Muon::add_parameter(\"" + name + "\"): " + shardmuon_last_error());
+    }
     const size_t element = dtype == SHARDMUON_FLOAT64 ? 8 : dtype == SHARDMUON_FLOAT32 ? 4 : 2;
-    check(shardmuon_buffer_create(context_.get(), local_elements(view, comm_.rank()) * element,
+    check(shardmuon_buffer_create(context_, local_elements(view, comm_rank()) * element,
                                   &entry.momentum));
     entry.param.momentum = entry.momentum;
     entries_.push_back(std::move(entry));
@@ -236,6 +267,11 @@ class Muon {
   // is empty), or std::nullopt when it has none this step on every rank.
   void step(const std::vector<std::optional<const void*>>& grads, void* stream = nullptr) {
     if (grads.size() != entries_.size()) {
+      // The other ranks are in (or about to enter) the step's collective argument check: a
+      // call with a negative parameter count fails it, so that they return PEER_FAILED at
+      // once instead of waiting for this rank until the timeout.
+      shardmuon_muon_step(context_, comm_, nullptr, -1, groups_.data(),
+                          static_cast<int>(groups_.size()), stream);
       throw Error(SHARDMUON_ERROR_INVALID_ARGUMENT,
                   "Muon::step: " + std::to_string(grads.size()) + " gradients for " +
                       std::to_string(entries_.size()) + " parameters");
@@ -245,9 +281,8 @@ class Muon {
       params[i].grad = grads[i].value_or(nullptr);
       params[i].no_grad = grads[i].has_value() ? 0 : 1;
     }
-    check(shardmuon_muon_step(context_.get(), comm_.get(), params.data(),
-                              static_cast<int>(params.size()), groups_.data(),
-                              static_cast<int>(groups_.size()), stream));
+    check(shardmuon_muon_step(context_, comm_, params.data(), static_cast<int>(params.size()),
+                              groups_.data(), static_cast<int>(groups_.size()), stream));
     ++steps_taken_;
   }
 
@@ -261,8 +296,8 @@ class Muon {
   void save(const std::string& directory, void* stream = nullptr) const {
     std::vector<shardmuon_muon_param> params = batch();
     std::vector<const char*> names = name_pointers();
-    check(shardmuon_muon_save(context_.get(), comm_.get(), directory.c_str(), params.data(),
-                              names.data(), static_cast<int>(params.size()), groups_.data(),
+    check(shardmuon_muon_save(context_, comm_, directory.c_str(), params.data(), names.data(),
+                              static_cast<int>(params.size()), groups_.data(),
                               static_cast<int>(groups_.size()), steps_taken_, stream));
   }
 
@@ -272,8 +307,8 @@ class Muon {
     std::vector<const char*> names = name_pointers();
     std::vector<shardmuon_muon_group> loaded = groups_;
     int64_t steps = 0;
-    check(shardmuon_muon_load(context_.get(), comm_.get(), directory.c_str(), params.data(),
-                              names.data(), static_cast<int>(params.size()), loaded.data(),
+    check(shardmuon_muon_load(context_, comm_, directory.c_str(), params.data(), names.data(),
+                              static_cast<int>(params.size()), loaded.data(),
                               static_cast<int>(loaded.size()), &steps, stream));
     groups_ = std::move(loaded);
     steps_taken_ = steps;
@@ -311,8 +346,14 @@ class Muon {
     return names;
   }
 
-  const Context& context_;
-  const Comm& comm_;
+  int comm_size() const { return Comm::borrow(comm_).size(); }
+  int comm_rank() const { return Comm::borrow(comm_).rank(); }
+
+  // Declared first, so destroyed last: after the destructor has released the buffers.
+  std::optional<Context> owned_context_;
+  std::optional<Comm> owned_comm_;
+  shardmuon_context_t context_;
+  shardmuon_comm_t comm_;
   std::vector<shardmuon_muon_group> groups_;
   std::deque<Entry> entries_;
   int64_t steps_taken_ = 0;

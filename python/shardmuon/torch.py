@@ -979,8 +979,11 @@ class Muon(torch.optim.Optimizer):
         return context.step_flag
 
     def _summed_flag_inputs(self, device: torch.device) -> torch.Tensor:
-        return torch.stack([x.to(device=device, dtype=torch.float32, non_blocking=True).reshape(())
-                            for x in self._flag_inputs]).sum()
+        """How many of the flag inputs are set (non-zero, NaN included): set inputs of opposite
+        signs cannot cancel."""
+        inputs = torch.stack([x.to(device=device, dtype=torch.float32, non_blocking=True).reshape(())
+                              for x in self._flag_inputs])
+        return inputs.ne(0).sum().to(torch.float32)
 
     def _check_other_steps(self):
         """What a subclass checks of its other steps before the Muon step writes anything."""

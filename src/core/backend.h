@@ -240,6 +240,9 @@ class Backend {
   virtual void update_passes(const std::vector<UpdatePass>& passes, Stream stream) = 0;
   virtual void commit_passes(const std::vector<CommitPass>& passes, Stream stream) = 0;
   virtual void flag_nonfinite(const std::vector<FiniteCheck>& checks, Stream stream) = 0;
+  // *mark = 1 if *flag is set (non-zero, NaN included), else 0; mark may be flag. Flags are
+  // summed across ranks as these marks, so that set flags of opposite signs cannot cancel.
+  virtual void mark_if_set(const float* flag, float* mark, Stream stream) = 0;
   // *counter += 1 if *flag is set.
   virtual void count_if_flagged(const float* flag, int64_t* counter, Stream stream) = 0;
   // A few bytes of zeroed backend memory that live as long as the backend (counters).

@@ -935,13 +935,11 @@ void run_muon_step(Backend& backend, Communicator& comm, const ValidatedMuonStep
   int64_t* skipped_params = reinterpret_cast<int64_t*>(counters + kSkippedParamsOffset);
 
   // A checked step's momentum passes flag a non-finite gradient in flags[0] as they read it;
-  // the caller's step flag starts it (shardmuon_context_set_step_flag).
+  // the caller's step flag starts it (shardmuon_context_set_step_flag), as 1 if set, so that
+  // flags of opposite signs on two ranks cannot sum to zero.
   if (checked) {
     backend.fill_zero(flags, count_of_flags * sizeof(float), stream);
-    if (settings.step_flag != nullptr) {
-      backend.copy_2d(flags, sizeof(float), settings.step_flag, sizeof(float), sizeof(float), 1,
-                      stream);
-    }
+    if (settings.step_flag != nullptr) backend.mark_if_set(settings.step_flag, flags, stream);
   }
   std::vector<MomentumPass> momentum_passes;
   for (size_t i = 0; i < step.plans.size(); ++i) {

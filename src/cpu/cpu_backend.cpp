@@ -62,6 +62,15 @@ int64_t span(int64_t ld, int64_t columns) {
   return columns == 0 ? 0 : ld * columns;
 }
 
+// bytes rounded up to whole kAlignment blocks (aligned_alloc's rule); a size within a block of
+// SIZE_MAX, which would wrap to a tiny allocation, is refused as out of memory.
+size_t aligned_size(size_t bytes, const char* what) {
+  if (bytes > std::numeric_limits<size_t>::max() - (kAlignment - 1)) {
+    fail(SHARDMUON_ERROR_OUT_OF_MEMORY, what, " of ", bytes, " bytes");
+  }
+  return (bytes + kAlignment - 1) / kAlignment * kAlignment;
+}
+
 class CpuBackend final : public Backend {
  public:
   shardmuon_backend kind() const override { return SHARDMUON_BACKEND_CPU; }
@@ -72,7 +81,7 @@ class CpuBackend final : public Backend {
 
   void* workspace(size_t bytes, Stream) override {
     if (bytes > workspace_bytes_) {
-      const size_t rounded = (bytes + kAlignment - 1) / kAlignment * kAlignment;
+      const size_t rounded = aligned_size(bytes, "workspace");
       void* pointer = std::aligned_alloc(kAlignment, rounded);
       if (pointer == nullptr)
         fail(SHARDMUON_ERROR_OUT_OF_MEMORY, "workspace of ", rounded, " bytes");
@@ -84,8 +93,7 @@ class CpuBackend final : public Backend {
   size_t workspace_bytes() const override { return workspace_bytes_; }
 
   void* allocate_zeroed(size_t bytes) override {
-    const size_t rounded =
-        std::max<size_t>(kAlignment, (bytes + kAlignment - 1) / kAlignment * kAlignment);
+    const size_t rounded = std::max<size_t>(kAlignment, aligned_size(bytes, "buffer"));
     void* pointer = std::aligned_alloc(kAlignment, rounded);
     if (pointer == nullptr) fail(SHARDMUON_ERROR_OUT_OF_MEMORY, "buffer of ", bytes, " bytes");
     std::memset(pointer, 0, rounded);
@@ -242,6 +250,9 @@ class CpuBackend final : public Backend {
     }
   }
 
+  void mark_if_set(const float* flag, float* mark, Stream) override {
+    *mark = *flag != 0.0f ? 1.0f : 0.0f;
+  }
   void count_if_flagged(const float* flag, int64_t* counter, Stream) override {
     if (*flag != 0.0f) ++*counter;
   }

@@ -284,6 +284,9 @@ class CudaBackend final : public Backend {
     flag_nonfinite_cuda(checks, as_cuda(stream));
   }
 
+  void mark_if_set(const float* flag, float* mark, Stream stream) override {
+    mark_if_set_cuda(flag, mark, as_cuda(stream));
+  }
   void count_if_flagged(const float* flag, int64_t* counter, Stream stream) override {
     count_if_flagged_cuda(flag, counter, as_cuda(stream));
   }

@@ -338,6 +338,10 @@ __global__ void __launch_bounds__(kThreads)
   if (bad) *check.flag = 1.0f;  // every writer writes the same value
 }
 
+__global__ void mark_if_set_kernel(const float* flag, float* mark) {
+  *mark = *flag != 0.0f ? 1.0f : 0.0f;  // NaN != 0: set
+}
+
 __global__ void count_if_flagged_kernel(const float* flag, long long* counter) {
   if (*flag != 0.0f) *counter += 1;
 }
@@ -429,6 +433,10 @@ void flag_nonfinite_cuda(const std::vector<FiniteCheck>& checks, cudaStream_t st
         return flag_nonfinite_kernel<decltype(values), decltype(width)::value>;
       },
       stream);
+}
+
+void mark_if_set_cuda(const float* flag, float* mark, cudaStream_t stream) {
+  launch_kernel("mark_if_set_kernel", mark_if_set_kernel, dim3(1), dim3(1), stream, flag, mark);
 }
 
 void count_if_flagged_cuda(const float* flag, int64_t* counter, cudaStream_t stream) {

@@ -15,6 +15,7 @@ void momentum_passes_cuda(const std::vector<MomentumPass>& passes, cudaStream_t 
 void update_passes_cuda(const std::vector<UpdatePass>& passes, cudaStream_t stream);
 void commit_passes_cuda(const std::vector<CommitPass>& passes, cudaStream_t stream);
 void flag_nonfinite_cuda(const std::vector<FiniteCheck>& checks, cudaStream_t stream);
+void mark_if_set_cuda(const float* flag, float* mark, cudaStream_t stream);
 void count_if_flagged_cuda(const float* flag, int64_t* counter, cudaStream_t stream);
 
 }  // namespace shardmuon

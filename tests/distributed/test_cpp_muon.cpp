@@ -210,5 +210,149 @@ TEST_F(CppMuon, TheContextsStepFlagAndPolicySkipOrRaise) {
   EXPECT_TRUE(before.empty() || harness.download(param) != before);  // an empty shard: nothing
 }
 
+// The class keeps the handles it is given, not their wrappers: a Muon built from temporaries
+// (the borrow() wrappers of a training loop's handles), or from a Context moved after, steps
+// as one built from named wrappers does.
+TEST_F(CppMuon, KeepsTheHandlesItIsGivenNotTheirWrappers) {
+  const Group& group = Harness::get().group(Harness::get().max_group_size());
+  if (!group.member) return;
+  const Harness& harness = Harness::get();
+  const shardmuon::Context context = shardmuon::Context::borrow(harness.context());
+  const shardmuon::Comm comm = shardmuon::Comm::borrow(group.comm);
+  const Buffer grad = upload_shard(1, group, 42);
+  Buffer named_param = upload_shard(1, group, 41, 0.05);
+  Buffer temporaries_param = upload_shard(1, group, 41, 0.05);
+  Buffer moved_param = upload_shard(1, group, 41, 0.05);
+
+  shardmuon::Muon named(context, comm, {shardmuon::default_muon_group()});
+  shardmuon::Muon from_temporaries(shardmuon::Context::borrow(harness.context()),
+                                   shardmuon::Comm::borrow(group.comm),
+                                   {shardmuon::default_muon_group()});
+  shardmuon::Context movable = shardmuon::Context::borrow(harness.context());
+  shardmuon::Muon from_moved(movable, comm, {shardmuon::default_muon_group()});
+  const shardmuon::Context moved_to = std::move(movable);
+
+  named.add_parameter("p", named_param.data(), kDtypes[1], layout_of(1, group));
+  from_temporaries.add_parameter("p", temporaries_param.data(), kDtypes[1], layout_of(1, group));
+  from_moved.add_parameter("p", moved_param.data(), kDtypes[1], layout_of(1, group));
+  for (int step = 0; step < 2; ++step) {
+    named.step({grad.data()}, harness.stream());
+    from_temporaries.step({grad.data()}, harness.stream());
+    from_moved.step({grad.data()}, harness.stream());
+  }
+  EXPECT_EQ(harness.download(temporaries_param), harness.download(named_param));
+  EXPECT_EQ(harness.download(moved_param), harness.download(named_param));
+}
+
+// A Context and Comm that own their handles, passed as temporaries, are taken over and live
+// as long as the Muon: it steps as one given named owners does.
+TEST_F(CppMuon, TakesOverAnOwningContextAndCommPassedAsTemporaries) {
+  const Matrix start = random_gaussian(7, 5, 51);
+  const Matrix gradient = random_gaussian(7, 5, 52);
+  std::vector<float> named_param(start.values.begin(), start.values.end());
+  std::vector<float> owned_param = named_param;
+  const std::vector<float> grad(gradient.values.begin(), gradient.values.end());
+
+  const shardmuon::Context cpu(SHARDMUON_BACKEND_CPU);
+  const shardmuon::Comm self = shardmuon::Comm::self();
+  shardmuon::Muon named(cpu, self, {shardmuon::default_muon_group()});
+  shardmuon::Muon owner(shardmuon::Context(SHARDMUON_BACKEND_CPU), shardmuon::Comm::self(),
+                        {shardmuon::default_muon_group()});
+  named.add_parameter("p", named_param.data(), SHARDMUON_FLOAT32,
+                      shardmuon::Layout::replicated(7, 5));
+  owner.add_parameter("p", owned_param.data(), SHARDMUON_FLOAT32,
+                      shardmuon::Layout::replicated(7, 5));
+  for (int step = 0; step < 2; ++step) {
+    named.step({grad.data()});
+    owner.step({grad.data()});
+  }
+  EXPECT_EQ(owned_param, named_param);
+  EXPECT_NE(owned_param, std::vector<float>(start.values.begin(), start.values.end()));
+}
+
+// A parameter the step would refuse is refused when it is added, with an error naming it, and
+// nothing is registered; a layout split along a dim other than 0 or 1 cannot be built.
+TEST_F(CppMuon, AddParameterRefusesABadParameterNamingIt) {
+  const Group& group = Harness::get().group(Harness::get().max_group_size());
+  if (!group.member) return;
+  const Harness& harness = Harness::get();
+  const shardmuon::Context context = shardmuon::Context::borrow(harness.context());
+  const shardmuon::Comm comm = shardmuon::Comm::borrow(group.comm);
+  shardmuon::Muon muon(context, comm, {shardmuon::default_muon_group()});
+  const Buffer param = harness.upload(to_bytes(std::vector<double>(64, 0.5), SHARDMUON_FLOAT32));
+
+  const auto expect_refused = [&](const std::string& case_name, auto add) {
+    SCOPED_TRACE(case_name);
+    try {
+      add();
+      ADD_FAILURE() << "no exception";
+    } catch (const shardmuon::Error& e) {
+      EXPECT_EQ(e.status(), SHARDMUON_ERROR_INVALID_ARGUMENT) << e.what();
+      EXPECT_NE(std::string(e.what()).find("Muon::add_parameter(\"bad\")"), std::string::npos)
+          << e.what();
+    }
+  };
+  expect_refused("a group out of range", [&] {
+    muon.add_parameter("bad", param.data(), SHARDMUON_FLOAT32, shardmuon::Layout::replicated(8, 8),
+                       /*group=*/1);
+  });
+  expect_refused("row blocks that do not divide the rows", [&] {
+    muon.add_parameter("bad", param.data(), SHARDMUON_FLOAT32, shardmuon::Layout::replicated(5, 8),
+                       0, /*row_blocks=*/2);
+  });
+  expect_refused("negative rows", [&] {
+    muon.add_parameter("bad", param.data(), SHARDMUON_FLOAT32,
+                       shardmuon::Layout::replicated(-8, 8));
+  });
+  if (group.size >= 2) {
+    std::vector<int64_t> sizes(group.size, 0);
+    sizes[0] = -1;
+    sizes[1] = 9;  // the sum is the 8 rows: only the negative size is wrong
+    expect_refused("a negative shard size", [&] {
+      muon.add_parameter("bad", param.data(), SHARDMUON_FLOAT32,
+                         shardmuon::Layout::sharded(8, 8, 0, sizes));
+    });
+  }
+  EXPECT_EQ(muon.size(), 0u);
+  try {
+    shardmuon::Layout::sharded(8, 8, 2, {});
+    ADD_FAILURE() << "no exception";
+  } catch (const shardmuon::Error& e) {
+    EXPECT_EQ(e.status(), SHARDMUON_ERROR_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(e.what()).find("dim must be 0 or 1, got 2"), std::string::npos)
+        << e.what();
+  }
+}
+
+// A step given the wrong number of gradients on one rank throws there, and the other ranks'
+// steps fail at once with PEER_FAILED rather than wait for that rank until the timeout.
+TEST_F(CppMuon, AWrongGradientCountOnOneRankFailsTheStepOnEveryRank) {
+  const Group& group = Harness::get().group(Harness::get().max_group_size());
+  if (!group.member) return;
+  if (group.size < 2) GTEST_SKIP() << "needs 2 ranks";
+  const Harness& harness = Harness::get();
+  const shardmuon::Context context = shardmuon::Context::borrow(harness.context());
+  const shardmuon::Comm comm = shardmuon::Comm::borrow(group.comm);
+  shardmuon::Muon muon(context, comm, {shardmuon::default_muon_group()});
+  Buffer param = upload_shard(1, group, 61, 0.05);
+  const Buffer grad = upload_shard(1, group, 62);
+  const std::vector<unsigned char> before = harness.download(param);
+  muon.add_parameter("p", param.data(), kDtypes[1], layout_of(1, group));
+  std::vector<std::optional<const void*>> grads = {grad.data()};
+  if (group.rank == 0) grads.push_back(grad.data());
+  try {
+    muon.step(grads, harness.stream());
+    ADD_FAILURE() << "no exception";
+  } catch (const shardmuon::Error& e) {
+    EXPECT_EQ(e.status(),
+              group.rank == 0 ? SHARDMUON_ERROR_INVALID_ARGUMENT : SHARDMUON_ERROR_PEER_FAILED)
+        << e.what();
+  }
+  EXPECT_EQ(harness.download(param), before);
+  EXPECT_EQ(muon.steps_taken(), 0);
+  muon.step({grad.data()}, harness.stream());  // the communicator is still usable
+  EXPECT_EQ(muon.steps_taken(), 1);
+}
+
 }  // namespace
 }  // namespace shardmuon_test

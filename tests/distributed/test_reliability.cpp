@@ -305,6 +305,20 @@ TEST_F(StepFlag, SetOnOneRankSkipsTheStepEverywhereAndHoldsTheVerdict) {
   EXPECT_EQ(params1, params0);
 }
 
+// Set flags of opposite signs on two ranks: the step counts the ranks whose flag is set, so
+// they skip it everywhere instead of summing to zero.
+TEST_F(StepFlag, SetFlagsOfOppositeSignsDoNotCancel) {
+  const Group& group = Harness::get().group(Harness::get().max_group_size());
+  if (!group.member) return;
+  if (group.size < 2) GTEST_SKIP() << "needs two ranks";
+  const Buffer flag = flag_of(group.rank == 0 ? -1.0f : group.rank == 1 ? 1.0f : 0.0f);
+  use(flag);
+  NonFiniteCase c(group, false, 0.0, false);
+  EXPECT_EQ(c.step(group), SHARDMUON_SUCCESS) << shardmuon_last_error();
+  EXPECT_TRUE(c.unchanged(0) && c.unchanged(1)) << "rank " << group.rank;
+  EXPECT_NE(read(flag), 0.0f) << "rank " << group.rank;
+}
+
 TEST_F(StepFlag, ClearGivesTheStepAndAGradientSetsIt) {
   const Group& group = Harness::get().group(Harness::get().max_group_size());
   if (!group.member) return;
@@ -416,9 +430,9 @@ TEST(StepFlagArguments, AMisalignedFlagIsRefusedByName) {
 }
 
 // shardmuon_context_reduce_step_flag over several communicators, the way a step split over a
-// mesh's dimensions uses it: reduced over each in turn, every rank holds the sums a host
-// replay of the same reductions gives; so steps over those communicators afterwards all skip
-// where, without it, the first step would have written.
+// mesh's dimensions uses it: reduced over each in turn, every rank holds the counts of set
+// flags a host replay of the same reductions gives; so steps over those communicators afterwards
+// all skip where, without it, the first step would have written.
 class StepFlagReduction : public StepFlag {
  protected:
   shardmuon_status reduce(const Group& group) const {
@@ -427,20 +441,21 @@ class StepFlagReduction : public StepFlag {
   }
 };
 
-TEST_F(StepFlagReduction, OverEachCommunicatorInTurnGivesTheReplayedSums) {
+TEST_F(StepFlagReduction, OverEachCommunicatorInTurnGivesTheReplayedCounts) {
   const int ranks = Harness::get().max_group_size();
   const int rank = Harness::get().world_rank();
   if (ranks < 2) GTEST_SKIP() << "needs two ranks";
-  // Rank 0 starts with 4 and the last rank (in the largest group only) with 1.
-  auto initial = [&](int r) { return (r == 0 ? 4.0 : 0.0) + (r == ranks - 1 ? 1.0 : 0.0); };
+  // Rank 0 starts with -1 and the last rank (in the largest group only) with 1: summed as they
+  // are, on two ranks they would cancel.
+  auto initial = [&](int r) { return (r == 0 ? -1.0 : 0.0) + (r == ranks - 1 ? 1.0 : 0.0); };
   std::vector<double> replay(ranks);
   for (int r = 0; r < ranks; ++r) replay[r] = initial(r);
   const Buffer flag = flag_of(static_cast<float>(initial(rank)));
   use(flag);
   for (int size = 2; size <= ranks; ++size) {  // the groups of the first 2, 3, ... ranks
-    double sum = 0.0;
-    for (int r = 0; r < size; ++r) sum += replay[r];
-    for (int r = 0; r < size; ++r) replay[r] = sum;
+    double set = 0.0;
+    for (int r = 0; r < size; ++r) set += replay[r] != 0.0 ? 1.0 : 0.0;
+    for (int r = 0; r < size; ++r) replay[r] = set;
     const Group& group = Harness::get().group(size);
     if (group.member) {
       ASSERT_EQ(reduce(group), SHARDMUON_SUCCESS) << shardmuon_last_error();

@@ -90,5 +90,20 @@ TEST(SingleProcess, CppWrapperThrowsWithTheMessage) {
   EXPECT_EQ(data, std::vector<float>(12, 1.0f));
 }
 
+// A buffer size within an alignment block of SIZE_MAX, which rounding up would wrap to a tiny
+// allocation, is refused as out of memory, and no buffer is returned.
+TEST(SingleProcess, ABufferTooLargeToRoundUpIsRefused) {
+  shardmuon::Context context(SHARDMUON_BACKEND_CPU);
+  for (const size_t bytes : {SIZE_MAX, SIZE_MAX - 64}) {
+    void* buffer = nullptr;
+    EXPECT_EQ(shardmuon_buffer_create(context.get(), bytes, &buffer), SHARDMUON_ERROR_OUT_OF_MEMORY)
+        << bytes;
+    EXPECT_EQ(buffer, nullptr);
+  }
+  void* buffer = nullptr;
+  ASSERT_EQ(shardmuon_buffer_create(context.get(), 100, &buffer), SHARDMUON_SUCCESS);
+  shardmuon_buffer_destroy(context.get(), buffer);
+}
+
 }  // namespace
 }  // namespace shardmuon_test

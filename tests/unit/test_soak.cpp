@@ -1,9 +1,9 @@
-// Soak: 10,000 Muon steps on small shapes through the C API, with the hyperparameters changing
-// every step and the shapes, layouts and dtypes every 500 steps (each time with a new context
-// and communicator), checked at intervals against the float64 oracle. Memory must stay flat:
-// the workspace is bounded by the largest shape, and the process does not grow (checked here
-// without AddressSanitizer, whose quarantine holds freed memory; with it, LeakSanitizer checks
-// for leaks at exit).
+// Soak: 10,000 Muon steps on small replicated shapes on one rank through the C API, with the
+// hyperparameters changing every step and the shapes and dtypes every 500 steps (each time
+// with a new context and communicator), checked at intervals against the float64 oracle. Memory
+// must stay flat: the workspace is bounded by the largest shape, and the process does not grow
+// (checked here without AddressSanitizer, whose quarantine holds freed memory; with it,
+// LeakSanitizer checks for leaks at exit).
 #include <gtest/gtest.h>
 
 #include <cmath>

@@ -87,6 +87,9 @@ class CountingBackend final : public Backend {
     count_passes(list.size());
     inner_->flag_nonfinite(list, stream);
   }
+  void mark_if_set(const float* flag, float* mark, Stream stream) override {
+    inner_->mark_if_set(flag, mark, stream);
+  }
   void count_if_flagged(const float* flag, int64_t* counter, Stream stream) override {
     inner_->count_if_flagged(flag, counter, stream);
   }
