@@ -178,11 +178,15 @@ json group_to_json(const shardmuon_muon_group& group) {
           {"ns_storage", ns_storage_name(group.ns_storage)}};
 }
 
-// The saved group; a custom schedule's coefficients must be the caller's (whose pointer stays).
+// The saved group. The caller's group is an output: of it only what a checkpoint cannot hold
+// is read, its pointers into the caller's memory: lr_on_device (with lr, where the saved group
+// had its learning rate on the device and recorded none) and, for a custom schedule, the
+// coefficients, which must equal the saved ones.
 shardmuon_muon_group group_from_json(const json& saved, const shardmuon_muon_group& caller,
                                      int index) {
-  shardmuon_muon_group group = caller;
-  if (!saved.at("lr").is_null()) group.lr = saved.at("lr").get<double>();
+  shardmuon_muon_group group{};
+  group.lr_on_device = caller.lr_on_device;
+  group.lr = saved.at("lr").is_null() ? caller.lr : saved.at("lr").get<double>();
   group.momentum = saved.at("momentum").get<double>();
   group.nesterov = saved.at("nesterov").get<bool>() ? 1 : 0;
   group.weight_decay = saved.at("weight_decay").get<double>();
@@ -191,7 +195,8 @@ shardmuon_muon_group group_from_json(const json& saved, const shardmuon_muon_gro
   group.scale_mode = enum_from_name<shardmuon_scale_mode>(saved.at("scale_mode").get<std::string>(),
                                                           4, scale_mode_name, "scale mode");
   group.extra_scale_factor = saved.at("extra_scale_factor").get<double>();
-  // Checkpoints from before ns_storage was a group setting keep the caller's.
+  // Checkpoints from before ns_storage was a group setting ran the iteration in the
+  // parameter's dtype (PARAM, the zero value).
   if (saved.contains("ns_storage")) {
     group.ns_storage = enum_from_name<shardmuon_ns_storage>(
         saved.at("ns_storage").get<std::string>(), 3, ns_storage_name, "ns_storage");
@@ -205,8 +210,7 @@ shardmuon_muon_group group_from_json(const json& saved, const shardmuon_muon_gro
   if (group.ns.schedule == SHARDMUON_SCHEDULE_CUSTOM) {
     const auto saved_coefficients =
         ns.at("custom_coefficients").get<std::vector<std::vector<double>>>();
-    bool same = caller.ns.schedule == SHARDMUON_SCHEDULE_CUSTOM &&
-                caller.ns.custom_coefficients != nullptr &&
+    bool same = caller.ns.custom_coefficients != nullptr &&
                 caller.ns.num_custom_coefficients == static_cast<int>(saved_coefficients.size());
     for (size_t k = 0; same && k < saved_coefficients.size(); ++k) {
       for (size_t j = 0; j < 3; ++j) {
@@ -218,6 +222,7 @@ shardmuon_muon_group group_from_json(const json& saved, const shardmuon_muon_gro
                         saved_coefficients.size(),
                         " coefficient triples; pass the same ones in groups[", index,
                         "].ns.custom_coefficients to load it");
+    group.ns.custom_coefficients = caller.ns.custom_coefficients;
     group.ns.num_custom_coefficients = static_cast<int>(saved_coefficients.size());
   }
   validate_muon_group(group, index);
@@ -403,6 +408,19 @@ void load_muon_checkpoint(Backend& backend, Communicator& comm, const std::strin
                           num_groups, " but the checkpoint holds ", saved_groups.size(), " groups");
       for (int g = 0; g < num_groups; ++g) {
         loaded_groups.push_back(group_from_json(saved_groups[g], groups[g], g));
+      }
+      // The saved groups replace the caller's: they must be able to step these parameters
+      // in their layouts now (an algorithm that needs shards along dim 0 or 1, say, where a
+      // parameter is now flat), checked as the step checks its groups.
+      std::vector<shardmuon_muon_param> step_params;
+      for (const MuonParamPlan& plan : params.plans) step_params.push_back(*plan.param);
+      try {
+        validate_muon_step(backend, comm, step_params.data(), static_cast<int>(step_params.size()),
+                           loaded_groups.data(), num_groups,
+                           /*use_grads=*/false);
+      } catch (const Failure& e) {
+        throw Failure(e.status(),
+                      concat("the checkpoint's groups cannot step these parameters: ", e.what()));
       }
     }
 

@@ -265,6 +265,75 @@ TEST_F(Checkpoint, ADeviceLearningRateIsNotSavedAndLoadingKeepsTheCallers) {
   EXPECT_EQ(loaded.lr_on_device, static_cast<const float*>(rate.data()));
 }
 
+// A load replaces the caller's groups with the saved ones, so it checks them against the
+// parameters as a step would: GRAM_ALLREDUCE, saved with shards along dim 0 and 1, cannot step
+// the flat shard the last parameter has now. Every rank refuses, and nothing changes.
+TEST_F(Checkpoint, SavedGroupsTheNewLayoutsCannotStepAreRefusedOnEveryRank) {
+  const Group& group = Harness::get().group(std::min(2, Harness::get().max_group_size()));
+  if (!group.member) return;
+  State state(group, 0, false);
+  shardmuon_muon_group saved = some_group(0.02);
+  saved.ns.algorithm = SHARDMUON_NS_GRAM_ALLREDUCE;
+  ASSERT_TRUE(group_all(save(group, state, directory_, saved, 6) == SHARDMUON_SUCCESS, group.mpi))
+      << shardmuon_last_error();
+  State flat(group, 1, true);
+  ASSERT_EQ(flat.params[2].partition, SHARDMUON_SHARDED_FLAT);
+  // What a step with the saved group says of these layouts.
+  ASSERT_EQ(shardmuon_muon_plan(Harness::get().context(), group.comm, flat.api.data(),
+                                static_cast<int>(flat.api.size()), &saved, 1, nullptr, nullptr),
+            SHARDMUON_ERROR_INVALID_ARGUMENT);
+  const auto before = flat.momentum_bytes();
+  shardmuon_muon_group hyper = some_group(0.5);
+  int64_t step = -7;
+  const shardmuon_status status = load(group, flat, directory_, &hyper, &step);
+  const std::string error = shardmuon_last_error();
+  EXPECT_EQ(status, SHARDMUON_ERROR_INVALID_ARGUMENT) << error;
+  EXPECT_NE(error.find("GRAM_ALLREDUCE needs shards along dim 0 or 1"), std::string::npos) << error;
+  EXPECT_TRUE(group_all(status == SHARDMUON_ERROR_INVALID_ARGUMENT, group.mpi));
+  EXPECT_EQ(flat.momentum_bytes(), before);
+  EXPECT_EQ(step, -7);
+  EXPECT_EQ(hyper.lr, 0.5);
+  EXPECT_EQ(hyper.ns.algorithm, SHARDMUON_NS_AUTO);
+}
+
+// groups is output only: a zero-initialized array, which no step would accept, receives the
+// saved groups.
+TEST_F(Checkpoint, LoadsIntoAZeroInitializedGroupsArray) {
+  const Group& group = Harness::get().group(std::min(2, Harness::get().max_group_size()));
+  if (!group.member) return;
+  State state(group, 0, false);
+  const shardmuon_muon_group saved = some_group(0.0123);
+  ASSERT_TRUE(group_all(save(group, state, directory_, saved, 11) == SHARDMUON_SUCCESS, group.mpi))
+      << shardmuon_last_error();
+  State other(group, 2, true);
+  shardmuon_muon_group hyper{};
+  int64_t step = 0;
+  ASSERT_TRUE(
+      group_all(load(group, other, directory_, &hyper, &step) == SHARDMUON_SUCCESS, group.mpi))
+      << shardmuon_last_error();
+  EXPECT_EQ(step, 11);
+  EXPECT_EQ(hyper.lr, saved.lr);
+  EXPECT_EQ(hyper.momentum, saved.momentum);
+  EXPECT_EQ(hyper.nesterov, saved.nesterov);
+  EXPECT_EQ(hyper.weight_decay, saved.weight_decay);
+  EXPECT_EQ(hyper.weight_decay_mode, saved.weight_decay_mode);
+  EXPECT_EQ(hyper.scale_mode, saved.scale_mode);
+  EXPECT_EQ(hyper.extra_scale_factor, saved.extra_scale_factor);
+  EXPECT_EQ(hyper.ns.num_iterations, saved.ns.num_iterations);
+  EXPECT_EQ(hyper.ns.schedule, saved.ns.schedule);
+  EXPECT_EQ(hyper.ns.eps, saved.ns.eps);
+  EXPECT_EQ(hyper.ns.algorithm, saved.ns.algorithm);
+  EXPECT_EQ(hyper.lr_on_device, nullptr);
+  EXPECT_EQ(hyper.ns_storage, saved.ns_storage);
+  const auto loaded = other.momentum_bytes();
+  for (size_t i = 0; i < other.params.size(); ++i) {
+    const State::Param& param = other.params[i];
+    EXPECT_EQ(from_bytes(loaded[i], param.dtype),
+              extract_shard(param.momentum, param.partition, param.sizes, group.rank))
+        << param.name;
+  }
+}
+
 // Damaged checkpoints: every rank gets an error, and no momentum buffer, step or group changes.
 TEST_F(Checkpoint, DamagedCheckpointsFailCleanly) {
   const int p = std::min(2, Harness::get().max_group_size());
