@@ -424,7 +424,13 @@ void load_muon_checkpoint(Backend& backend, Communicator& comm, const std::strin
       }
     }
 
-    std::map<std::string, SafetensorsHeader> headers;  // by file
+    // Each rank file's header and record of its pieces, read and parsed once per load (not
+    // once per piece: a file holds a piece of every parameter, so that was quadratic).
+    struct RankFile {
+      SafetensorsHeader header;
+      json pieces;
+    };
+    std::map<std::string, RankFile> files;  // by path
     for (size_t i = 0; i < params.plans.size(); ++i) {
       const MuonParamPlan& plan = params.plans[i];
       const ShardLayout& layout = plan.ns.layout;
@@ -467,24 +473,26 @@ void load_muon_checkpoint(Backend& backend, Communicator& comm, const std::strin
                             "outside its directory: ",
                             file);
         const std::string path = directory + "/" + file;
-        auto cached = headers.find(path);
-        if (cached == headers.end()) {
-          SafetensorsHeader header = read_safetensors_header(path);
+        auto cached = files.find(path);
+        if (cached == files.end()) {
+          RankFile file_read{read_safetensors_header(path), json()};
+          SafetensorsHeader& header = file_read.header;
           SHARDMUON_CHECK_ARG(header.metadata["token"] == token, "checkpoint file ", path,
                               " belongs to another save than the index (token ",
                               header.metadata["token"], ", index ", token, ")");
-          cached = headers.emplace(path, std::move(header)).first;
+          const auto pieces_record = header.metadata.find("pieces");
+          SHARDMUON_CHECK_ARG(pieces_record != header.metadata.end(), "checkpoint file ", path,
+                              " has no record of its pieces in its metadata");
+          file_read.pieces = json::parse(pieces_record->second);
+          cached = files.emplace(path, std::move(file_read)).first;
         }
-        const SafetensorsHeader& header = cached->second;
+        const SafetensorsHeader& header = cached->second.header;
+        const json& file_pieces = cached->second.pieces;
         const SafetensorsEntry* entry = header.find(tensor);
         SHARDMUON_CHECK_ARG(entry != nullptr && entry->shape.size() == 2 &&
                                 entry->shape[0] == piece.rows && entry->shape[1] == piece.cols,
                             "checkpoint file ", path, " lacks the ", piece.rows, " x ", piece.cols,
                             " piece \"", tensor, "\" of \"", name, "\" that the index lists");
-        const auto pieces_record = header.metadata.find("pieces");
-        SHARDMUON_CHECK_ARG(pieces_record != header.metadata.end(), "checkpoint file ", path,
-                            " has no record of its pieces in its metadata");
-        const json file_pieces = json::parse(pieces_record->second);
         SHARDMUON_CHECK_ARG(file_pieces.contains(tensor), "checkpoint file ", path,
                             " records no piece \"", tensor, "\"");
         const json& recorded = file_pieces.at(tensor);
