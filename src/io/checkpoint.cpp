@@ -356,6 +356,7 @@ void save_muon_checkpoint(Backend& backend, Communicator& comm, const std::strin
       index["params"][names[i]] = {{"rows", layout.rows()},
                                    {"cols", layout.cols()},
                                    {"dtype", safetensors_dtype(params.plans[i].param->dtype)},
+                                   {"group", params.plans[i].param->group},
                                    {"pieces", pieces}};
     }
     write_file_atomically(directory + "/" + kIndexName, index.dump(1));
@@ -443,6 +444,18 @@ void load_muon_checkpoint(Backend& backend, Communicator& comm, const std::strin
                           "params[", i, "] \"", name, "\" was saved as ",
                           saved.at("rows").get<int64_t>(), " x ", saved.at("cols").get<int64_t>(),
                           " but its layout now says ", layout.rows(), " x ", layout.cols());
+      // Restored groups are matched to parameters by index: a parameter now in another group
+      // would step under another group's hyperparameters. Indexes written before the field
+      // existed are not checked.
+      if (groups != nullptr && saved.contains("group")) {
+        // Compared as JSON integers: the index is read, not trusted (a float or a huge
+        // number must not be cast to int).
+        const json& saved_group = saved.at("group");
+        SHARDMUON_CHECK_ARG(
+            saved_group.is_number_integer() && saved_group.get<int64_t>() == plan.param->group,
+            "params[", i, "] \"", name, "\" was saved in groups[", saved_group.dump(),
+            "] but is now in groups[", plan.param->group, "]");
+      }
       const std::vector<PlacedRegion> targets = local_regions(layout, rank);
       const int64_t needed = layout.local_elements(rank);
       if (needed == 0) continue;

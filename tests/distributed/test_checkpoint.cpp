@@ -334,6 +334,66 @@ TEST_F(Checkpoint, LoadsIntoAZeroInitializedGroupsArray) {
   }
 }
 
+// The index records each parameter's group: a load with groups refuses a parameter the caller
+// now puts in another group than the one it was saved in (its momentum would step under the
+// other group's hyperparameters), naming it and both groups. Without groups, or from an index
+// written before the field existed, the assignment is the caller's and is not checked.
+TEST_F(Checkpoint, AParameterSavedInAnotherGroupIsRefused) {
+  const Group& group = Harness::get().group(std::min(2, Harness::get().max_group_size()));
+  if (!group.member) return;
+  State state(group, 0, false);
+  state.api[1].group = 1;
+  const shardmuon_muon_group saved[2] = {some_group(0.02), some_group(0.03)};
+  ASSERT_TRUE(
+      group_all(shardmuon_muon_save(Harness::get().context(), group.comm, directory_.c_str(),
+                                    state.api.data(), state.names.data(), 3, saved, 2, 8,
+                                    Harness::get().stream()) == SHARDMUON_SUCCESS,
+                group.mpi))
+      << shardmuon_last_error();
+  State moved(group, 0, true);
+  moved.api[2].group = 1;  // and params[1] in group 0
+  const auto before = moved.momentum_bytes();
+  shardmuon_muon_group hyper[2] = {some_group(0.5), some_group(0.5)};
+  int64_t step = -7;
+  auto load_moved = [&](shardmuon_muon_group* groups) {
+    return shardmuon_muon_load(Harness::get().context(), group.comm, directory_.c_str(),
+                               moved.api.data(), moved.names.data(), 3, groups,
+                               groups != nullptr ? 2 : 0, &step, Harness::get().stream());
+  };
+  const shardmuon_status status = load_moved(hyper);
+  const std::string error = shardmuon_last_error();
+  EXPECT_EQ(status, SHARDMUON_ERROR_INVALID_ARGUMENT) << error;
+  EXPECT_NE(error.find("params[1] \"layers.0.out.weight\" was saved in groups[1] but is now in "
+                       "groups[0]"),
+            std::string::npos)
+      << error;
+  EXPECT_TRUE(group_all(status == SHARDMUON_ERROR_INVALID_ARGUMENT, group.mpi));
+  EXPECT_EQ(moved.momentum_bytes(), before);
+  EXPECT_EQ(step, -7);
+  EXPECT_EQ(hyper[0].lr, 0.5);
+  // Without groups the caller's assignment stands.
+  EXPECT_TRUE(group_all(load_moved(nullptr) == SHARDMUON_SUCCESS, group.mpi))
+      << shardmuon_last_error();
+  EXPECT_EQ(step, 8);
+  // An index without the field (written before it existed) loads, unchecked.
+  MPI_Barrier(group.mpi);
+  if (group.rank == 0) {
+    const std::string path = directory_ + "/shardmuon-checkpoint.json";
+    nlohmann::json index = nlohmann::json::parse(std::ifstream(path));
+    for (auto& [name, param] : index["params"].items()) {
+      EXPECT_TRUE(param.contains("group")) << name;
+      param.erase("group");
+    }
+    std::ofstream(path, std::ios::trunc) << index.dump();
+  }
+  MPI_Barrier(group.mpi);
+  step = -7;
+  EXPECT_TRUE(group_all(load_moved(hyper) == SHARDMUON_SUCCESS, group.mpi))
+      << shardmuon_last_error();
+  EXPECT_EQ(step, 8);
+  EXPECT_EQ(hyper[1].lr, 0.03);
+}
+
 // Damaged checkpoints: every rank gets an error, and no momentum buffer, step or group changes.
 TEST_F(Checkpoint, DamagedCheckpointsFailCleanly) {
   const int p = std::min(2, Harness::get().max_group_size());
