@@ -11,6 +11,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <random>
+#include <regex>
 #include <set>
 
 #include "core/agreement.h"
@@ -229,6 +230,18 @@ shardmuon_muon_group group_from_json(const json& saved, const shardmuon_muon_gro
   return group;
 }
 
+// Whether a file in a checkpoint directory is one that save writes and may remove once it is
+// stale: a rank file ("shardmuon-rank-<rank>-of-<ranks>-<token>.safetensors"), or the
+// temporary of a rank file or of the index that a crash left (write_pieces_atomically's
+// "<name>.tmp-<pid>-<n>"). Exactly these names: a user's file that merely starts like them
+// ("shardmuon-rank-notes.txt", "shardmuon-checkpoint.json.bak") is not ours to delete.
+bool is_own_file_name(const std::string& file) {
+  static const std::regex own(
+      R"(shardmuon-rank-[0-9]{5,}-of-[0-9]{5,}-[0-9a-f]{16}\.safetensors(\.tmp-[0-9]+-[0-9]+)?)"
+      R"(|shardmuon-checkpoint\.json\.tmp-[0-9]+-[0-9]+)");
+  return std::regex_match(file, own);
+}
+
 uint64_t random_token() {
   std::random_device device;
   const uint64_t high = device(), low = device();
@@ -361,11 +374,11 @@ void save_muon_checkpoint(Backend& backend, Communicator& comm, const std::strin
     }
     write_file_atomically(directory + "/" + kIndexName, index.dump(1));
     // Files of earlier saves (and temporaries a crash left) are no longer referenced.
+    std::set<std::string> current;
+    for (int r = 0; r < ranks; ++r) current.insert(rank_file_name(r, ranks, token));
     for (const auto& entry : std::filesystem::directory_iterator(directory)) {
       const std::string file = entry.path().filename().string();
-      const bool ours = file.rfind("shardmuon-rank-", 0) == 0 || file.rfind(kIndexName, 0) == 0;
-      const bool current = file.find(token) != std::string::npos || file == kIndexName;
-      if (ours && !current) {
+      if (is_own_file_name(file) && current.count(file) == 0) {
         std::error_code ignored;
         std::filesystem::remove(entry.path(), ignored);
       }

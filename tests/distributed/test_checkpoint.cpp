@@ -10,6 +10,7 @@
 #include <fstream>
 #include <limits>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -392,6 +393,62 @@ TEST_F(Checkpoint, AParameterSavedInAnotherGroupIsRefused) {
       << shardmuon_last_error();
   EXPECT_EQ(step, 8);
   EXPECT_EQ(hyper[1].lr, 0.03);
+}
+
+// A save removes the files of the checkpoint it replaces and the temporaries a crash left,
+// named as the library names them, and nothing else: a user's file that merely starts like
+// them stays.
+TEST_F(Checkpoint, ASaveRemovesOnlyItsOwnFormerFiles) {
+  const Group& group = Harness::get().group(std::min(2, Harness::get().max_group_size()));
+  const bool rank0 = Harness::get().world_rank() == 0;
+  const auto names_in = [&]() {
+    std::set<std::string> names;
+    for (const auto& entry : std::filesystem::directory_iterator(directory_)) {
+      names.insert(entry.path().filename().string());
+    }
+    return names;
+  };
+  bool saved = true;
+  if (group.member) {
+    State state(group, 0, false);
+    saved = save(group, state, directory_, some_group(0.02), 1) == SHARDMUON_SUCCESS;
+    EXPECT_TRUE(saved) << shardmuon_last_error();
+  }
+  if (!group_all(saved, MPI_COMM_WORLD)) return;  // as in LoadsOnAnyNumberOfRanksAndLayouts
+  const std::vector<std::string> users = {
+      "shardmuon-rank-notes.txt",
+      "shardmuon-checkpoint.json.bak",
+      "shardmuon-checkpoint.json.tmp-draft",
+      "shardmuon-rank-00000-of-00002-mine.safetensors",
+      "shardmuon-rank-00000-of-00002-0123456789abcdef.safetensors.old",
+      "my-shardmuon-rank-00000-of-00001-0123456789abcdef.safetensors"};
+  const std::vector<std::string> leftovers = {
+      "shardmuon-rank-00001-of-00004-0123456789abcdef.safetensors",
+      "shardmuon-rank-00000-of-00002-0123456789abcdef.safetensors.tmp-123-4",
+      "shardmuon-checkpoint.json.tmp-123-5"};
+  std::set<std::string> former;
+  if (rank0) {
+    former = names_in();
+    former.erase("shardmuon-checkpoint.json");
+    EXPECT_EQ(former.size(), static_cast<size_t>(group.size));
+    for (const std::string& name : users) std::ofstream(directory_ + "/" + name) << "mine";
+    for (const std::string& name : leftovers) std::ofstream(directory_ + "/" + name) << "left";
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  if (group.member) {
+    State state(group, 0, false);
+    saved = save(group, state, directory_, some_group(0.02), 2) == SHARDMUON_SUCCESS;
+    EXPECT_TRUE(saved) << shardmuon_last_error();
+  }
+  if (!group_all(saved, MPI_COMM_WORLD)) return;
+  if (rank0) {
+    const std::set<std::string> now = names_in();
+    for (const std::string& name : users) EXPECT_EQ(now.count(name), 1u) << name;
+    for (const std::string& name : leftovers) EXPECT_EQ(now.count(name), 0u) << name;
+    for (const std::string& name : former) EXPECT_EQ(now.count(name), 0u) << name;
+    // What remains besides: the index and one file per rank of the new save.
+    EXPECT_EQ(now.size(), users.size() + 1 + group.size);
+  }
 }
 
 // Damaged checkpoints: every rank gets an error, and no momentum buffer, step or group changes.
