@@ -522,6 +522,29 @@ TEST_F(Checkpoint, DamagedCheckpointsFailCleanly) {
          });
        },
        "more bytes than 2^64"},
+      {"another save's token",
+       [](const std::string& d) {
+         // As if the file of another save had been copied in under this save's name.
+         edit_safetensors_header(first_rank_file(d), [](nlohmann::json& header) {
+           header["__metadata__"]["token"] = "0123456789abcdef";
+         });
+       },
+       "belongs to another save than the index"},
+      {"a missing piece",
+       [](const std::string& d) {
+         edit_safetensors_header(first_rank_file(d), [](nlohmann::json& header) {
+           header.erase("head-proj_2");  // replicated: rank 0 wrote it, every rank reads it
+         });
+       },
+       "lacks the 29 x 31 piece \"head-proj_2\""},
+      {"a piece outside the matrix",
+       [](const std::string& d) {
+         const std::string index_path = d + "/shardmuon-checkpoint.json";
+         nlohmann::json index = nlohmann::json::parse(std::ifstream(index_path));
+         index["params"]["layers.0.qkv.weight"]["pieces"][0]["row0"] = 30;  // of 37 rows, 37 high
+         std::ofstream(index_path, std::ios::trunc) << index.dump();
+       },
+       "elements, outside its 37 x 53"},
   };
   for (const Damage& damage : damages) {
     bool saved = true;
