@@ -619,6 +619,12 @@ SHARDMUON_API shardmuon_status shardmuon_muon_save(shardmuon_context_t context,
 /* Reads the state saved in directory into the momentum buffers of params (matched by name;
  * the layouts and dtypes may differ from the saved ones), and returns the step count and,
  * if groups is not NULL, the saved hyperparameters (num_groups must match the saved count).
+ * groups is an output: its hyperparameters are neither read nor checked (a zero-initialized
+ * array will do); only the pointers a checkpoint cannot hold are kept from it, lr_on_device
+ * (with lr where the saved group recorded none) and, for a group saved with a custom
+ * schedule, ns.custom_coefficients, which must hold the saved coefficients. The saved groups
+ * are checked against params as a step checks its groups (a group whose algorithm a
+ * parameter's layout now cannot run is refused).
  * Collective over comm. Everything is read and checked (sizes, checksums, coverage of every
  * parameter) before any buffer is written: on any error every rank returns it and no
  * momentum buffer, step or group is modified. */

@@ -3,6 +3,7 @@
 #include <new>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "api/handles.h"
 #include "core/agreement.h"
@@ -96,8 +97,19 @@ shardmuon_status shardmuon_muon_load(shardmuon_context_t context, shardmuon_comm
         group, stream,
         [&] {
           SHARDMUON_CHECK_ARG(step != nullptr, "step is NULL");
-          return shardmuon::validate_checkpoint_call(context, group, directory, params, names,
-                                                     num_params, groups, num_groups);
+          // groups is output: the caller's hyperparameters are not checked (a zero-initialized
+          // array is fine). The parameters are checked here with placeholders, the defaults,
+          // which every layout can step; the saved groups replace them once read, and load
+          // checks those against the parameters as a step would.
+          std::vector<shardmuon_muon_group> placeholders;
+          if (groups != nullptr) {
+            SHARDMUON_CHECK_ARG(num_groups >= 1, "num_groups must be >= 1, got ", num_groups);
+            shardmuon_muon_group_default(&placeholders.emplace_back());
+            placeholders.resize(static_cast<size_t>(num_groups), placeholders.front());
+          }
+          return shardmuon::validate_checkpoint_call(
+              context, group, directory, params, names, num_params,
+              groups != nullptr ? placeholders.data() : nullptr, num_groups);
         },
         [&](const shardmuon::ValidatedCheckpointCall& call) {
           shardmuon::load_muon_checkpoint(*call.backend, group, directory, call.params, call.names,

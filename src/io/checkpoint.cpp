@@ -11,6 +11,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <random>
+#include <regex>
 #include <set>
 
 #include "core/agreement.h"
@@ -178,11 +179,15 @@ json group_to_json(const shardmuon_muon_group& group) {
           {"ns_storage", ns_storage_name(group.ns_storage)}};
 }
 
-// The saved group; a custom schedule's coefficients must be the caller's (whose pointer stays).
+// The saved group. The caller's group is an output: of it only what a checkpoint cannot hold
+// is read, its pointers into the caller's memory: lr_on_device (with lr, where the saved group
+// had its learning rate on the device and recorded none) and, for a custom schedule, the
+// coefficients, which must equal the saved ones.
 shardmuon_muon_group group_from_json(const json& saved, const shardmuon_muon_group& caller,
                                      int index) {
-  shardmuon_muon_group group = caller;
-  if (!saved.at("lr").is_null()) group.lr = saved.at("lr").get<double>();
+  shardmuon_muon_group group{};
+  group.lr_on_device = caller.lr_on_device;
+  group.lr = saved.at("lr").is_null() ? caller.lr : saved.at("lr").get<double>();
   group.momentum = saved.at("momentum").get<double>();
   group.nesterov = saved.at("nesterov").get<bool>() ? 1 : 0;
   group.weight_decay = saved.at("weight_decay").get<double>();
@@ -191,7 +196,8 @@ shardmuon_muon_group group_from_json(const json& saved, const shardmuon_muon_gro
   group.scale_mode = enum_from_name<shardmuon_scale_mode>(saved.at("scale_mode").get<std::string>(),
                                                           4, scale_mode_name, "scale mode");
   group.extra_scale_factor = saved.at("extra_scale_factor").get<double>();
-  // Checkpoints from before ns_storage was a group setting keep the caller's.
+  // Checkpoints from before ns_storage was a group setting ran the iteration in the
+  // parameter's dtype (PARAM, the zero value).
   if (saved.contains("ns_storage")) {
     group.ns_storage = enum_from_name<shardmuon_ns_storage>(
         saved.at("ns_storage").get<std::string>(), 3, ns_storage_name, "ns_storage");
@@ -205,8 +211,7 @@ shardmuon_muon_group group_from_json(const json& saved, const shardmuon_muon_gro
   if (group.ns.schedule == SHARDMUON_SCHEDULE_CUSTOM) {
     const auto saved_coefficients =
         ns.at("custom_coefficients").get<std::vector<std::vector<double>>>();
-    bool same = caller.ns.schedule == SHARDMUON_SCHEDULE_CUSTOM &&
-                caller.ns.custom_coefficients != nullptr &&
+    bool same = caller.ns.custom_coefficients != nullptr &&
                 caller.ns.num_custom_coefficients == static_cast<int>(saved_coefficients.size());
     for (size_t k = 0; same && k < saved_coefficients.size(); ++k) {
       for (size_t j = 0; j < 3; ++j) {
@@ -218,10 +223,23 @@ shardmuon_muon_group group_from_json(const json& saved, const shardmuon_muon_gro
                         saved_coefficients.size(),
                         " coefficient triples; pass the same ones in groups[", index,
                         "].ns.custom_coefficients to load it");
+    group.ns.custom_coefficients = caller.ns.custom_coefficients;
     group.ns.num_custom_coefficients = static_cast<int>(saved_coefficients.size());
   }
   validate_muon_group(group, index);
   return group;
+}
+
+// Whether a file in a checkpoint directory is one that save writes and may remove once it is
+// stale: a rank file ("shardmuon-rank-<rank>-of-<ranks>-<token>.safetensors"), or the
+// temporary of a rank file or of the index that a crash left (write_pieces_atomically's
+// "<name>.tmp-<pid>-<n>"). Exactly these names: a user's file that merely starts like them
+// ("shardmuon-rank-notes.txt", "shardmuon-checkpoint.json.bak") is not ours to delete.
+bool is_own_file_name(const std::string& file) {
+  static const std::regex own(
+      R"(shardmuon-rank-[0-9]{5,}-of-[0-9]{5,}-[0-9a-f]{16}\.safetensors(\.tmp-[0-9]+-[0-9]+)?)"
+      R"(|shardmuon-checkpoint\.json\.tmp-[0-9]+-[0-9]+)");
+  return std::regex_match(file, own);
 }
 
 uint64_t random_token() {
@@ -351,15 +369,16 @@ void save_muon_checkpoint(Backend& backend, Communicator& comm, const std::strin
       index["params"][names[i]] = {{"rows", layout.rows()},
                                    {"cols", layout.cols()},
                                    {"dtype", safetensors_dtype(params.plans[i].param->dtype)},
+                                   {"group", params.plans[i].param->group},
                                    {"pieces", pieces}};
     }
     write_file_atomically(directory + "/" + kIndexName, index.dump(1));
     // Files of earlier saves (and temporaries a crash left) are no longer referenced.
+    std::set<std::string> current;
+    for (int r = 0; r < ranks; ++r) current.insert(rank_file_name(r, ranks, token));
     for (const auto& entry : std::filesystem::directory_iterator(directory)) {
       const std::string file = entry.path().filename().string();
-      const bool ours = file.rfind("shardmuon-rank-", 0) == 0 || file.rfind(kIndexName, 0) == 0;
-      const bool current = file.find(token) != std::string::npos || file == kIndexName;
-      if (ours && !current) {
+      if (is_own_file_name(file) && current.count(file) == 0) {
         std::error_code ignored;
         std::filesystem::remove(entry.path(), ignored);
       }
@@ -404,9 +423,28 @@ void load_muon_checkpoint(Backend& backend, Communicator& comm, const std::strin
       for (int g = 0; g < num_groups; ++g) {
         loaded_groups.push_back(group_from_json(saved_groups[g], groups[g], g));
       }
+      // The saved groups replace the caller's: they must be able to step these parameters
+      // in their layouts now (an algorithm that needs shards along dim 0 or 1, say, where a
+      // parameter is now flat), checked as the step checks its groups.
+      std::vector<shardmuon_muon_param> step_params;
+      for (const MuonParamPlan& plan : params.plans) step_params.push_back(*plan.param);
+      try {
+        validate_muon_step(backend, comm, step_params.data(), static_cast<int>(step_params.size()),
+                           loaded_groups.data(), num_groups,
+                           /*use_grads=*/false);
+      } catch (const Failure& e) {
+        throw Failure(e.status(),
+                      concat("the checkpoint's groups cannot step these parameters: ", e.what()));
+      }
     }
 
-    std::map<std::string, SafetensorsHeader> headers;  // by file
+    // Each rank file's header and record of its pieces, read and parsed once per load (not
+    // once per piece: a file holds a piece of every parameter, so that was quadratic).
+    struct RankFile {
+      SafetensorsHeader header;
+      json pieces;
+    };
+    std::map<std::string, RankFile> files;  // by path
     for (size_t i = 0; i < params.plans.size(); ++i) {
       const MuonParamPlan& plan = params.plans[i];
       const ShardLayout& layout = plan.ns.layout;
@@ -419,6 +457,18 @@ void load_muon_checkpoint(Backend& backend, Communicator& comm, const std::strin
                           "params[", i, "] \"", name, "\" was saved as ",
                           saved.at("rows").get<int64_t>(), " x ", saved.at("cols").get<int64_t>(),
                           " but its layout now says ", layout.rows(), " x ", layout.cols());
+      // Restored groups are matched to parameters by index: a parameter now in another group
+      // would step under another group's hyperparameters. Indexes written before the field
+      // existed are not checked.
+      if (groups != nullptr && saved.contains("group")) {
+        // Compared as JSON integers: the index is read, not trusted (a float or a huge
+        // number must not be cast to int).
+        const json& saved_group = saved.at("group");
+        SHARDMUON_CHECK_ARG(
+            saved_group.is_number_integer() && saved_group.get<int64_t>() == plan.param->group,
+            "params[", i, "] \"", name, "\" was saved in groups[", saved_group.dump(),
+            "] but is now in groups[", plan.param->group, "]");
+      }
       const std::vector<PlacedRegion> targets = local_regions(layout, rank);
       const int64_t needed = layout.local_elements(rank);
       if (needed == 0) continue;
@@ -449,24 +499,26 @@ void load_muon_checkpoint(Backend& backend, Communicator& comm, const std::strin
                             "outside its directory: ",
                             file);
         const std::string path = directory + "/" + file;
-        auto cached = headers.find(path);
-        if (cached == headers.end()) {
-          SafetensorsHeader header = read_safetensors_header(path);
+        auto cached = files.find(path);
+        if (cached == files.end()) {
+          RankFile file_read{read_safetensors_header(path), json()};
+          SafetensorsHeader& header = file_read.header;
           SHARDMUON_CHECK_ARG(header.metadata["token"] == token, "checkpoint file ", path,
                               " belongs to another save than the index (token ",
                               header.metadata["token"], ", index ", token, ")");
-          cached = headers.emplace(path, std::move(header)).first;
+          const auto pieces_record = header.metadata.find("pieces");
+          SHARDMUON_CHECK_ARG(pieces_record != header.metadata.end(), "checkpoint file ", path,
+                              " has no record of its pieces in its metadata");
+          file_read.pieces = json::parse(pieces_record->second);
+          cached = files.emplace(path, std::move(file_read)).first;
         }
-        const SafetensorsHeader& header = cached->second;
+        const SafetensorsHeader& header = cached->second.header;
+        const json& file_pieces = cached->second.pieces;
         const SafetensorsEntry* entry = header.find(tensor);
         SHARDMUON_CHECK_ARG(entry != nullptr && entry->shape.size() == 2 &&
                                 entry->shape[0] == piece.rows && entry->shape[1] == piece.cols,
                             "checkpoint file ", path, " lacks the ", piece.rows, " x ", piece.cols,
                             " piece \"", tensor, "\" of \"", name, "\" that the index lists");
-        const auto pieces_record = header.metadata.find("pieces");
-        SHARDMUON_CHECK_ARG(pieces_record != header.metadata.end(), "checkpoint file ", path,
-                            " has no record of its pieces in its metadata");
-        const json file_pieces = json::parse(pieces_record->second);
         SHARDMUON_CHECK_ARG(file_pieces.contains(tensor), "checkpoint file ", path,
                             " records no piece \"", tensor, "\"");
         const json& recorded = file_pieces.at(tensor);

@@ -134,10 +134,8 @@ size_t safetensors_dtype_size(const std::string& dtype) {
 }
 
 const SafetensorsEntry* SafetensorsHeader::find(const std::string& name) const {
-  for (const SafetensorsEntry& entry : tensors) {
-    if (entry.name == name) return &entry;
-  }
-  return nullptr;
+  const auto found = tensors.find(name);
+  return found == tensors.end() ? nullptr : &found->second;
 }
 
 void write_safetensors_atomically(const std::string& path,
@@ -235,14 +233,14 @@ SafetensorsHeader read_safetensors_header(const std::string& path) {
                               " of a data section of " + std::to_string(data_bytes) +
                               " bytes (truncated?)");
       }
-      header.tensors.push_back(std::move(entry));
+      header.tensors.emplace(name, std::move(entry));
     }
   } catch (const json::exception& e) {
     fail_format(path, std::string("its header has an unexpected field: ") + e.what());
   }
   // Byte ranges may not overlap.
   std::vector<std::pair<uint64_t, uint64_t>> ranges;
-  for (const SafetensorsEntry& entry : header.tensors) ranges.emplace_back(entry.begin, entry.end);
+  for (const auto& [name, entry] : header.tensors) ranges.emplace_back(entry.begin, entry.end);
   std::sort(ranges.begin(), ranges.end());
   for (size_t i = 1; i < ranges.size(); ++i) {
     if (ranges[i].first < ranges[i - 1].second) fail_format(path, "two tensors' bytes overlap");

@@ -19,7 +19,9 @@ struct SafetensorsEntry {
 };
 
 struct SafetensorsHeader {
-  std::vector<SafetensorsEntry> tensors;
+  // By name: a checkpoint load looks up every tensor of a file, so a list would make it
+  // quadratic in the number of tensors.
+  std::map<std::string, SafetensorsEntry> tensors;
   std::map<std::string, std::string> metadata;  // "__metadata__": strings only, by the format
   uint64_t data_start = 0;                      // file offset of the data section
 

@@ -10,6 +10,7 @@
 #include <fstream>
 #include <limits>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -265,6 +266,191 @@ TEST_F(Checkpoint, ADeviceLearningRateIsNotSavedAndLoadingKeepsTheCallers) {
   EXPECT_EQ(loaded.lr_on_device, static_cast<const float*>(rate.data()));
 }
 
+// A load replaces the caller's groups with the saved ones, so it checks them against the
+// parameters as a step would: GRAM_ALLREDUCE, saved with shards along dim 0 and 1, cannot step
+// the flat shard the last parameter has now. Every rank refuses, and nothing changes.
+TEST_F(Checkpoint, SavedGroupsTheNewLayoutsCannotStepAreRefusedOnEveryRank) {
+  const Group& group = Harness::get().group(std::min(2, Harness::get().max_group_size()));
+  if (!group.member) return;
+  State state(group, 0, false);
+  shardmuon_muon_group saved = some_group(0.02);
+  saved.ns.algorithm = SHARDMUON_NS_GRAM_ALLREDUCE;
+  ASSERT_TRUE(group_all(save(group, state, directory_, saved, 6) == SHARDMUON_SUCCESS, group.mpi))
+      << shardmuon_last_error();
+  State flat(group, 1, true);
+  ASSERT_EQ(flat.params[2].partition, SHARDMUON_SHARDED_FLAT);
+  // What a step with the saved group says of these layouts.
+  ASSERT_EQ(shardmuon_muon_plan(Harness::get().context(), group.comm, flat.api.data(),
+                                static_cast<int>(flat.api.size()), &saved, 1, nullptr, nullptr),
+            SHARDMUON_ERROR_INVALID_ARGUMENT);
+  const auto before = flat.momentum_bytes();
+  shardmuon_muon_group hyper = some_group(0.5);
+  int64_t step = -7;
+  const shardmuon_status status = load(group, flat, directory_, &hyper, &step);
+  const std::string error = shardmuon_last_error();
+  EXPECT_EQ(status, SHARDMUON_ERROR_INVALID_ARGUMENT) << error;
+  EXPECT_NE(error.find("GRAM_ALLREDUCE needs shards along dim 0 or 1"), std::string::npos) << error;
+  EXPECT_TRUE(group_all(status == SHARDMUON_ERROR_INVALID_ARGUMENT, group.mpi));
+  EXPECT_EQ(flat.momentum_bytes(), before);
+  EXPECT_EQ(step, -7);
+  EXPECT_EQ(hyper.lr, 0.5);
+  EXPECT_EQ(hyper.ns.algorithm, SHARDMUON_NS_AUTO);
+}
+
+// groups is output only: a zero-initialized array, which no step would accept, receives the
+// saved groups.
+TEST_F(Checkpoint, LoadsIntoAZeroInitializedGroupsArray) {
+  const Group& group = Harness::get().group(std::min(2, Harness::get().max_group_size()));
+  if (!group.member) return;
+  State state(group, 0, false);
+  const shardmuon_muon_group saved = some_group(0.0123);
+  ASSERT_TRUE(group_all(save(group, state, directory_, saved, 11) == SHARDMUON_SUCCESS, group.mpi))
+      << shardmuon_last_error();
+  State other(group, 2, true);
+  shardmuon_muon_group hyper{};
+  int64_t step = 0;
+  ASSERT_TRUE(
+      group_all(load(group, other, directory_, &hyper, &step) == SHARDMUON_SUCCESS, group.mpi))
+      << shardmuon_last_error();
+  EXPECT_EQ(step, 11);
+  EXPECT_EQ(hyper.lr, saved.lr);
+  EXPECT_EQ(hyper.momentum, saved.momentum);
+  EXPECT_EQ(hyper.nesterov, saved.nesterov);
+  EXPECT_EQ(hyper.weight_decay, saved.weight_decay);
+  EXPECT_EQ(hyper.weight_decay_mode, saved.weight_decay_mode);
+  EXPECT_EQ(hyper.scale_mode, saved.scale_mode);
+  EXPECT_EQ(hyper.extra_scale_factor, saved.extra_scale_factor);
+  EXPECT_EQ(hyper.ns.num_iterations, saved.ns.num_iterations);
+  EXPECT_EQ(hyper.ns.schedule, saved.ns.schedule);
+  EXPECT_EQ(hyper.ns.eps, saved.ns.eps);
+  EXPECT_EQ(hyper.ns.algorithm, saved.ns.algorithm);
+  EXPECT_EQ(hyper.lr_on_device, nullptr);
+  EXPECT_EQ(hyper.ns_storage, saved.ns_storage);
+  const auto loaded = other.momentum_bytes();
+  for (size_t i = 0; i < other.params.size(); ++i) {
+    const State::Param& param = other.params[i];
+    EXPECT_EQ(from_bytes(loaded[i], param.dtype),
+              extract_shard(param.momentum, param.partition, param.sizes, group.rank))
+        << param.name;
+  }
+}
+
+// The index records each parameter's group: a load with groups refuses a parameter the caller
+// now puts in another group than the one it was saved in (its momentum would step under the
+// other group's hyperparameters), naming it and both groups. Without groups, or from an index
+// written before the field existed, the assignment is the caller's and is not checked.
+TEST_F(Checkpoint, AParameterSavedInAnotherGroupIsRefused) {
+  const Group& group = Harness::get().group(std::min(2, Harness::get().max_group_size()));
+  if (!group.member) return;
+  State state(group, 0, false);
+  state.api[1].group = 1;
+  const shardmuon_muon_group saved[2] = {some_group(0.02), some_group(0.03)};
+  ASSERT_TRUE(
+      group_all(shardmuon_muon_save(Harness::get().context(), group.comm, directory_.c_str(),
+                                    state.api.data(), state.names.data(), 3, saved, 2, 8,
+                                    Harness::get().stream()) == SHARDMUON_SUCCESS,
+                group.mpi))
+      << shardmuon_last_error();
+  State moved(group, 0, true);
+  moved.api[2].group = 1;  // and params[1] in group 0
+  const auto before = moved.momentum_bytes();
+  shardmuon_muon_group hyper[2] = {some_group(0.5), some_group(0.5)};
+  int64_t step = -7;
+  auto load_moved = [&](shardmuon_muon_group* groups) {
+    return shardmuon_muon_load(Harness::get().context(), group.comm, directory_.c_str(),
+                               moved.api.data(), moved.names.data(), 3, groups,
+                               groups != nullptr ? 2 : 0, &step, Harness::get().stream());
+  };
+  const shardmuon_status status = load_moved(hyper);
+  const std::string error = shardmuon_last_error();
+  EXPECT_EQ(status, SHARDMUON_ERROR_INVALID_ARGUMENT) << error;
+  EXPECT_NE(error.find("params[1] \"layers.0.out.weight\" was saved in groups[1] but is now in "
+                       "groups[0]"),
+            std::string::npos)
+      << error;
+  EXPECT_TRUE(group_all(status == SHARDMUON_ERROR_INVALID_ARGUMENT, group.mpi));
+  EXPECT_EQ(moved.momentum_bytes(), before);
+  EXPECT_EQ(step, -7);
+  EXPECT_EQ(hyper[0].lr, 0.5);
+  // Without groups the caller's assignment stands.
+  EXPECT_TRUE(group_all(load_moved(nullptr) == SHARDMUON_SUCCESS, group.mpi))
+      << shardmuon_last_error();
+  EXPECT_EQ(step, 8);
+  // An index without the field (written before it existed) loads, unchecked.
+  MPI_Barrier(group.mpi);
+  if (group.rank == 0) {
+    const std::string path = directory_ + "/shardmuon-checkpoint.json";
+    nlohmann::json index = nlohmann::json::parse(std::ifstream(path));
+    for (auto& [name, param] : index["params"].items()) {
+      EXPECT_TRUE(param.contains("group")) << name;
+      param.erase("group");
+    }
+    std::ofstream(path, std::ios::trunc) << index.dump();
+  }
+  MPI_Barrier(group.mpi);
+  step = -7;
+  EXPECT_TRUE(group_all(load_moved(hyper) == SHARDMUON_SUCCESS, group.mpi))
+      << shardmuon_last_error();
+  EXPECT_EQ(step, 8);
+  EXPECT_EQ(hyper[1].lr, 0.03);
+}
+
+// A save removes the files of the checkpoint it replaces and the temporaries a crash left,
+// named as the library names them, and nothing else: a user's file that merely starts like
+// them stays.
+TEST_F(Checkpoint, ASaveRemovesOnlyItsOwnFormerFiles) {
+  const Group& group = Harness::get().group(std::min(2, Harness::get().max_group_size()));
+  const bool rank0 = Harness::get().world_rank() == 0;
+  const auto names_in = [&]() {
+    std::set<std::string> names;
+    for (const auto& entry : std::filesystem::directory_iterator(directory_)) {
+      names.insert(entry.path().filename().string());
+    }
+    return names;
+  };
+  bool saved = true;
+  if (group.member) {
+    State state(group, 0, false);
+    saved = save(group, state, directory_, some_group(0.02), 1) == SHARDMUON_SUCCESS;
+    EXPECT_TRUE(saved) << shardmuon_last_error();
+  }
+  if (!group_all(saved, MPI_COMM_WORLD)) return;  // as in LoadsOnAnyNumberOfRanksAndLayouts
+  const std::vector<std::string> users = {
+      "shardmuon-rank-notes.txt",
+      "shardmuon-checkpoint.json.bak",
+      "shardmuon-checkpoint.json.tmp-draft",
+      "shardmuon-rank-00000-of-00002-mine.safetensors",
+      "shardmuon-rank-00000-of-00002-0123456789abcdef.safetensors.old",
+      "my-shardmuon-rank-00000-of-00001-0123456789abcdef.safetensors"};
+  const std::vector<std::string> leftovers = {
+      "shardmuon-rank-00001-of-00004-0123456789abcdef.safetensors",
+      "shardmuon-rank-00000-of-00002-0123456789abcdef.safetensors.tmp-123-4",
+      "shardmuon-checkpoint.json.tmp-123-5"};
+  std::set<std::string> former;
+  if (rank0) {
+    former = names_in();
+    former.erase("shardmuon-checkpoint.json");
+    EXPECT_EQ(former.size(), static_cast<size_t>(group.size));
+    for (const std::string& name : users) std::ofstream(directory_ + "/" + name) << "mine";
+    for (const std::string& name : leftovers) std::ofstream(directory_ + "/" + name) << "left";
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  if (group.member) {
+    State state(group, 0, false);
+    saved = save(group, state, directory_, some_group(0.02), 2) == SHARDMUON_SUCCESS;
+    EXPECT_TRUE(saved) << shardmuon_last_error();
+  }
+  if (!group_all(saved, MPI_COMM_WORLD)) return;
+  if (rank0) {
+    const std::set<std::string> now = names_in();
+    for (const std::string& name : users) EXPECT_EQ(now.count(name), 1u) << name;
+    for (const std::string& name : leftovers) EXPECT_EQ(now.count(name), 0u) << name;
+    for (const std::string& name : former) EXPECT_EQ(now.count(name), 0u) << name;
+    // What remains besides: the index and one file per rank of the new save.
+    EXPECT_EQ(now.size(), users.size() + 1 + group.size);
+  }
+}
+
 // Damaged checkpoints: every rank gets an error, and no momentum buffer, step or group changes.
 TEST_F(Checkpoint, DamagedCheckpointsFailCleanly) {
   const int p = std::min(2, Harness::get().max_group_size());
@@ -336,6 +522,29 @@ TEST_F(Checkpoint, DamagedCheckpointsFailCleanly) {
          });
        },
        "more bytes than 2^64"},
+      {"another save's token",
+       [](const std::string& d) {
+         // As if the file of another save had been copied in under this save's name.
+         edit_safetensors_header(first_rank_file(d), [](nlohmann::json& header) {
+           header["__metadata__"]["token"] = "0123456789abcdef";
+         });
+       },
+       "belongs to another save than the index"},
+      {"a missing piece",
+       [](const std::string& d) {
+         edit_safetensors_header(first_rank_file(d), [](nlohmann::json& header) {
+           header.erase("head-proj_2");  // replicated: rank 0 wrote it, every rank reads it
+         });
+       },
+       "lacks the 29 x 31 piece \"head-proj_2\""},
+      {"a piece outside the matrix",
+       [](const std::string& d) {
+         const std::string index_path = d + "/shardmuon-checkpoint.json";
+         nlohmann::json index = nlohmann::json::parse(std::ifstream(index_path));
+         index["params"]["layers.0.qkv.weight"]["pieces"][0]["row0"] = 30;  // of 37 rows, 37 high
+         std::ofstream(index_path, std::ios::trunc) << index.dump();
+       },
+       "elements, outside its 37 x 53"},
   };
   for (const Damage& damage : damages) {
     bool saved = true;
