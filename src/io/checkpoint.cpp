@@ -396,6 +396,7 @@ void load_muon_checkpoint(Backend& backend, Communicator& comm, const std::strin
   std::vector<std::vector<unsigned char>> staged(params.plans.size());
   std::vector<shardmuon_muon_group> loaded_groups;
   int64_t loaded_step = 0;
+  std::string token;  // the save's, from the index this rank read
 
   std::exception_ptr failure = attempt([&] {
     const std::string index_path = directory + "/" + kIndexName;
@@ -411,7 +412,7 @@ void load_muon_checkpoint(Backend& backend, Communicator& comm, const std::strin
     SHARDMUON_CHECK_ARG(index.at("version").get<int>() == kVersion, "checkpoint index ", index_path,
                         " has version ", index.at("version").get<int>(),
                         "; this library reads version ", kVersion);
-    const std::string token = index.at("token").get<std::string>();
+    token = index.at("token").get<std::string>();
     loaded_step = index.at("step").get<int64_t>();
     // Save refuses a negative step, so one here means the index was edited or damaged.
     SHARDMUON_CHECK_ARG(loaded_step >= 0, "checkpoint index ", index_path, " has step ",
@@ -556,7 +557,10 @@ void load_muon_checkpoint(Backend& backend, Communicator& comm, const std::strin
                           covered, " of the ", needed, " elements this rank needs");
     }
   });
-  agree_across_ranks(comm, failure, 0, "",
+  // The ranks must have read the same save: on file systems that are not shared, or while a
+  // save replaces the directory, ranks could otherwise each load another.
+  agree_across_ranks(comm, failure, Digest().add_string(token).add(loaded_step).value(),
+                     concat("the checkpoint of token ", token, " at step ", loaded_step),
                      "could not load the checkpoint (its own error message says why); no rank "
                      "modified anything");
 

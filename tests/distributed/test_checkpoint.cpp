@@ -216,6 +216,36 @@ TEST_F(Checkpoint, LoadsOnAnyNumberOfRanksAndLayouts) {
   });
 }
 
+// Ranks that read two different saves of the same parameters (file systems that are not
+// shared, here one relative path resolved from two working directories) are refused on every
+// rank, with the running state untouched, instead of each loading its own.
+TEST_F(Checkpoint, RanksThatReadDifferentSavesAreRefused) {
+  ASSERT_FALSE(directory_.empty());
+  const Group& group = Harness::get().group(Harness::get().max_group_size());
+  if (!group.member) return;
+  if (group.size < 2) GTEST_SKIP() << "needs 2 ranks";
+  State state(group, 0, false);
+  for (const char* copy : {"/a", "/b"}) {  // two saves of the same state: two tokens
+    if (group.rank == 0) std::filesystem::create_directory(directory_ + copy);
+    MPI_Barrier(group.mpi);
+    ASSERT_EQ(save(group, state, directory_ + copy + "/checkpoint", some_group(0.01), 5),
+              SHARDMUON_SUCCESS)
+        << shardmuon_last_error();
+  }
+  const std::filesystem::path working = std::filesystem::current_path();
+  std::filesystem::current_path(directory_ + (group.rank == 0 ? "/a" : "/b"));
+  State loaded(group, 0, true);
+  const auto before = loaded.momentum_bytes();
+  int64_t step = -1;
+  const shardmuon_status status = load(group, loaded, "checkpoint", nullptr, &step);
+  const std::string error = shardmuon_last_error();
+  std::filesystem::current_path(working);
+  EXPECT_EQ(status, SHARDMUON_ERROR_RANK_MISMATCH) << error;
+  EXPECT_NE(error.find("the checkpoint of token"), std::string::npos) << error;
+  EXPECT_EQ(step, -1);
+  EXPECT_EQ(loaded.momentum_bytes(), before);
+}
+
 // Loading without the groups leaves hyperparameters to the caller; into another dtype, the
 // values are converted.
 TEST_F(Checkpoint, LoadsWithoutGroupsAndIntoAnotherDtype) {
