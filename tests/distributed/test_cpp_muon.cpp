@@ -46,14 +46,19 @@ Buffer upload_shard(int i, const Group& group, uint64_t seed, double scale = 1.0
       to_bytes(extract_shard(m, partition_of(i), sizes_of(i, group), group.rank), kDtypes[i]));
 }
 
-class CppMuon : public DistributedTest {};
-
-TEST_F(CppMuon, MatchesTheCApiAndResumesFromACheckpoint) {
-  const Group& group = Harness::get().group(Harness::get().max_group_size());
-  if (!group.member) return;
+// The largest group of ranks, with the harness's context and the group's communicator in the
+// class's (borrowed) wrappers: what the tests here run on.
+struct OnTheLargestGroup {
   const Harness& harness = Harness::get();
+  const Group& group = harness.group(harness.max_group_size());
   const shardmuon::Context context = shardmuon::Context::borrow(harness.context());
   const shardmuon::Comm comm = shardmuon::Comm::borrow(group.comm);
+};
+
+class CppMuon : public DistributedTest, protected OnTheLargestGroup {};
+
+TEST_F(CppMuon, MatchesTheCApiAndResumesFromACheckpoint) {
+  if (!group.member) return;
   shardmuon_muon_group hyper = shardmuon::default_muon_group();
   hyper.lr = 0.02;
 
@@ -172,11 +177,7 @@ TEST_F(CppMuon, MatchesTheCApiAndResumesFromACheckpoint) {
 // The Context's non-finite settings: a step flag set on rank 0 skips the class's step on
 // every rank (counted), and under RAISE the step throws with the library's status.
 TEST_F(CppMuon, TheContextsStepFlagAndPolicySkipOrRaise) {
-  const Group& group = Harness::get().group(Harness::get().max_group_size());
   if (!group.member) return;
-  const Harness& harness = Harness::get();
-  const shardmuon::Context context = shardmuon::Context::borrow(harness.context());
-  const shardmuon::Comm comm = shardmuon::Comm::borrow(group.comm);
   shardmuon::Muon muon(context, comm, {shardmuon::default_muon_group()});
   Buffer param = upload_shard(1, group, 31, 0.05);
   const Buffer grad = upload_shard(1, group, 32);
@@ -214,11 +215,7 @@ TEST_F(CppMuon, TheContextsStepFlagAndPolicySkipOrRaise) {
 // (the borrow() wrappers of a training loop's handles), or from a Context moved after, steps
 // as one built from named wrappers does.
 TEST_F(CppMuon, KeepsTheHandlesItIsGivenNotTheirWrappers) {
-  const Group& group = Harness::get().group(Harness::get().max_group_size());
   if (!group.member) return;
-  const Harness& harness = Harness::get();
-  const shardmuon::Context context = shardmuon::Context::borrow(harness.context());
-  const shardmuon::Comm comm = shardmuon::Comm::borrow(group.comm);
   const Buffer grad = upload_shard(1, group, 42);
   Buffer named_param = upload_shard(1, group, 41, 0.05);
   Buffer temporaries_param = upload_shard(1, group, 41, 0.05);
@@ -273,11 +270,7 @@ TEST_F(CppMuon, TakesOverAnOwningContextAndCommPassedAsTemporaries) {
 // A parameter the step would refuse is refused when it is added, with an error naming it, and
 // nothing is registered; a layout split along a dim other than 0 or 1 cannot be built.
 TEST_F(CppMuon, AddParameterRefusesABadParameterNamingIt) {
-  const Group& group = Harness::get().group(Harness::get().max_group_size());
   if (!group.member) return;
-  const Harness& harness = Harness::get();
-  const shardmuon::Context context = shardmuon::Context::borrow(harness.context());
-  const shardmuon::Comm comm = shardmuon::Comm::borrow(group.comm);
   shardmuon::Muon muon(context, comm, {shardmuon::default_muon_group()});
   const Buffer param = harness.upload(to_bytes(std::vector<double>(64, 0.5), SHARDMUON_FLOAT32));
 
@@ -327,12 +320,8 @@ TEST_F(CppMuon, AddParameterRefusesABadParameterNamingIt) {
 // A step given the wrong number of gradients on one rank throws there, and the other ranks'
 // steps fail at once with PEER_FAILED rather than wait for that rank until the timeout.
 TEST_F(CppMuon, AWrongGradientCountOnOneRankFailsTheStepOnEveryRank) {
-  const Group& group = Harness::get().group(Harness::get().max_group_size());
   if (!group.member) return;
   if (group.size < 2) GTEST_SKIP() << "needs 2 ranks";
-  const Harness& harness = Harness::get();
-  const shardmuon::Context context = shardmuon::Context::borrow(harness.context());
-  const shardmuon::Comm comm = shardmuon::Comm::borrow(group.comm);
   shardmuon::Muon muon(context, comm, {shardmuon::default_muon_group()});
   Buffer param = upload_shard(1, group, 61, 0.05);
   const Buffer grad = upload_shard(1, group, 62);
