@@ -11,7 +11,6 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <random>
-#include <regex>
 #include <set>
 
 #include "core/agreement.h"
@@ -230,16 +229,53 @@ shardmuon_muon_group group_from_json(const json& saved, const shardmuon_muon_gro
   return group;
 }
 
+// A small matcher for those names (std::regex would do, but GCC 12 warns inside its own
+// headers under the sanitizer builds' -O2, and those build with -Werror).
+class NameScanner {
+ public:
+  explicit NameScanner(const std::string& text) : text_(text) {}
+  bool literal(const char* expected) {
+    const size_t length = std::strlen(expected);
+    if (text_.compare(at_, length, expected) != 0) return false;
+    at_ += length;
+    return true;
+  }
+  // A run of characters from `allowed`, of at least `least` and at most `most` of them.
+  bool run(const char* allowed, size_t least, size_t most = std::string::npos) {
+    const size_t end = std::min(text_.find_first_not_of(allowed, at_), text_.size());
+    if (end - at_ < least || end - at_ > most) return false;
+    at_ = end;
+    return true;
+  }
+  bool done() const { return at_ == text_.size(); }
+
+ private:
+  const std::string& text_;
+  size_t at_ = 0;
+};
+
+constexpr const char* kDigits = "0123456789";
+
+// ".tmp-<pid>-<n>", the suffix of a file being written.
+bool temporary_suffix(NameScanner& scan) {
+  return scan.literal(".tmp-") && scan.run(kDigits, 1) && scan.literal("-") && scan.run(kDigits, 1);
+}
+
 // Whether a file in a checkpoint directory is one that save writes and may remove once it is
 // stale: a rank file ("shardmuon-rank-<rank>-of-<ranks>-<token>.safetensors"), or the
 // temporary of a rank file or of the index that a crash left (write_pieces_atomically's
 // "<name>.tmp-<pid>-<n>"). Exactly these names: a user's file that merely starts like them
 // ("shardmuon-rank-notes.txt", "shardmuon-checkpoint.json.bak") is not ours to delete.
 bool is_own_file_name(const std::string& file) {
-  static const std::regex own(
-      R"(shardmuon-rank-[0-9]{5,}-of-[0-9]{5,}-[0-9a-f]{16}\.safetensors(\.tmp-[0-9]+-[0-9]+)?)"
-      R"(|shardmuon-checkpoint\.json\.tmp-[0-9]+-[0-9]+)");
-  return std::regex_match(file, own);
+  NameScanner rank_file(file);
+  if (rank_file.literal("shardmuon-rank-") && rank_file.run(kDigits, 5) &&
+      rank_file.literal("-of-") && rank_file.run(kDigits, 5) && rank_file.literal("-") &&
+      rank_file.run("0123456789abcdef", 16, 16) && rank_file.literal(".safetensors") &&
+      (rank_file.done() || (temporary_suffix(rank_file) && rank_file.done()))) {
+    return true;
+  }
+  NameScanner index(file);
+  return index.literal("shardmuon-checkpoint.json") && temporary_suffix(index) && index.done();
 }
 
 uint64_t random_token() {
