@@ -624,6 +624,38 @@ def test_newton_schulz_takes_a_dtensor(world):
     launch(_newton_schulz, world)
 
 
+def _matrices_without_elements(rank, world):
+    # DTensors with no element (a (0, n) weight split by rows, a (9, 0) one split by rows,
+    # whose pieces are (3, 0) or empty, a replicated one, no experts' rows) beside one that
+    # has elements, whose own rows DTensor's chunking may leave empty on a rank: the empty
+    # ones are left alone on every rank, the other steps as the reference.
+    mesh = init_device_mesh("cpu", (world,))
+    weight, grads = random_matrices(460, (5, 12), torch.float64, len(LEARNING_RATES))
+    param = torch.nn.Parameter(distribute(weight, mesh, [Shard(0)]))
+    empties = [((0, 7), [Shard(0)]), ((9, 0), [Shard(0)]), ((0, 11), [Replicate()]),
+               ((0, 4, 6), [Shard(0)])]
+    params = [param] + [torch.nn.Parameter(distribute(torch.zeros(shape, dtype=torch.float64), mesh, placements))
+                        for shape, placements in empties]
+    optimizer = st.Muon(params, lr=LEARNING_RATES[0], weight_decay=0.1)
+    assert list(optimizer.plan()) == ["param_groups[0]['params'][0]"]
+
+    def grads_of(i, step):
+        if i == 0:
+            return distribute(grads[step], mesh, [Shard(0)])
+        return torch.zeros_like(params[i])
+
+    run_steps(optimizer, params, grads_of)
+    for p in params[1:]:
+        assert p not in optimizer.state or "momentum_buffer" not in optimizer.state[p], rank
+    check_pieces([param], lambda i: distribute(reference_steps(weight, grads), mesh, [Shard(0)]).to_local(),
+                 [torch.float64], rank)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_matrices_without_elements_are_left_alone_on_every_rank(world):
+    launch(_matrices_without_elements, world)
+
+
 def _distributed_checkpoint(rank, world, directory, optimizer_class):
     """The optimizer state through torch.distributed.checkpoint, as torchtitan saves it: saved
     with the rows split, loaded with the columns split (DCP reshards the DTensor momentum),
