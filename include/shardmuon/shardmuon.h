@@ -139,8 +139,7 @@ typedef enum shardmuon_ns_algorithm {
   /* Let the library choose the distribution and, on it, the standard iteration, (e)'s or (c)'s
    * (below) by its cost model: (e) where the long side is well above the short one, (c) where
    * it is cheaper on a Gram summed over 2 or more ranks (large square matrices). The others
-   * name the standard
-   * iteration, except GRAM_NEWTON_SCHULZ and GRAM_APPLIED_TWICE. */
+   * name the standard iteration, except GRAM_NEWTON_SCHULZ and GRAM_APPLIED_TWICE. */
   SHARDMUON_NS_AUTO = 0,
   /* (a) all-gather the matrix, run the whole iteration on every rank, keep the own shard. */
   SHARDMUON_NS_DUPLICATED = 1,

@@ -104,8 +104,9 @@ shardmuon_status shardmuon_muon_load(shardmuon_context_t context, shardmuon_comm
           std::vector<shardmuon_muon_group> placeholders;
           if (groups != nullptr) {
             SHARDMUON_CHECK_ARG(num_groups >= 1, "num_groups must be >= 1, got ", num_groups);
-            shardmuon_muon_group_default(&placeholders.emplace_back());
-            placeholders.resize(static_cast<size_t>(num_groups), placeholders.front());
+            shardmuon_muon_group defaults;
+            shardmuon_muon_group_default(&defaults);
+            placeholders.assign(static_cast<size_t>(num_groups), defaults);
           }
           return shardmuon::validate_checkpoint_call(
               context, group, directory, params, names, num_params,

@@ -165,6 +165,20 @@ class Checkpoint : public DistributedTest {
     }
     DistributedTest::TearDown();
   }
+  // Saves State(group, 0) with some_group(0.02) at `step` on the group's members. Every rank
+  // of the world waits for the files and learns whether they were written, so that all stop
+  // together if not (an early return on the savers alone would leave the others in the next
+  // collective).
+  bool saved_on(const Group& group, int64_t step) const {
+    bool saved = true;
+    if (group.member) {
+      State state(group, 0, false);
+      saved = save(group, state, directory_, some_group(0.02), step) == SHARDMUON_SUCCESS;
+      EXPECT_TRUE(saved) << shardmuon_last_error();
+    }
+    return group_all(saved, MPI_COMM_WORLD);
+  }
+
   std::string directory_;
 };
 
@@ -438,13 +452,7 @@ TEST_F(Checkpoint, ASaveRemovesOnlyItsOwnFormerFiles) {
     }
     return names;
   };
-  bool saved = true;
-  if (group.member) {
-    State state(group, 0, false);
-    saved = save(group, state, directory_, some_group(0.02), 1) == SHARDMUON_SUCCESS;
-    EXPECT_TRUE(saved) << shardmuon_last_error();
-  }
-  if (!group_all(saved, MPI_COMM_WORLD)) return;  // as in LoadsOnAnyNumberOfRanksAndLayouts
+  if (!saved_on(group, 1)) return;
   const std::vector<std::string> users = {
       "shardmuon-rank-notes.txt",
       "shardmuon-checkpoint.json.bak",
@@ -465,12 +473,7 @@ TEST_F(Checkpoint, ASaveRemovesOnlyItsOwnFormerFiles) {
     for (const std::string& name : leftovers) std::ofstream(directory_ + "/" + name) << "left";
   }
   MPI_Barrier(MPI_COMM_WORLD);
-  if (group.member) {
-    State state(group, 0, false);
-    saved = save(group, state, directory_, some_group(0.02), 2) == SHARDMUON_SUCCESS;
-    EXPECT_TRUE(saved) << shardmuon_last_error();
-  }
-  if (!group_all(saved, MPI_COMM_WORLD)) return;
+  if (!saved_on(group, 2)) return;
   if (rank0) {
     const std::set<std::string> now = names_in();
     for (const std::string& name : users) EXPECT_EQ(now.count(name), 1u) << name;
@@ -577,13 +580,7 @@ TEST_F(Checkpoint, DamagedCheckpointsFailCleanly) {
        "elements, outside its 37 x 53"},
   };
   for (const Damage& damage : damages) {
-    bool saved = true;
-    if (group.member) {
-      State state(group, 0, false);
-      saved = save(group, state, directory_, some_group(0.02), 9) == SHARDMUON_SUCCESS;
-      EXPECT_TRUE(saved) << shardmuon_last_error();
-    }
-    if (!group_all(saved, MPI_COMM_WORLD)) return;  // as in LoadsOnAnyNumberOfRanksAndLayouts
+    if (!saved_on(group, 9)) return;
     if (Harness::get().world_rank() == 0) damage.apply(directory_);
     MPI_Barrier(MPI_COMM_WORLD);
     if (!group.member) continue;
@@ -653,13 +650,7 @@ TEST_F(Checkpoint, MismatchedParametersAreNamed) {
 TEST_F(Checkpoint, AnIndexWhosePiecesOverlapIsRefused) {
   if (Harness::get().max_group_size() < 2) GTEST_SKIP() << "needs 2 ranks";
   const Group& pair = Harness::get().group(2);
-  bool saved = true;
-  if (pair.member) {
-    State state(pair, 0, false);
-    saved = save(pair, state, directory_, some_group(0.02), 4) == SHARDMUON_SUCCESS;
-    EXPECT_TRUE(saved) << shardmuon_last_error();
-  }
-  if (!group_all(saved, MPI_COMM_WORLD)) return;
+  if (!saved_on(pair, 4)) return;
   if (Harness::get().world_rank() == 0) {
     const std::string path = directory_ + "/shardmuon-checkpoint.json";
     nlohmann::json index = nlohmann::json::parse(std::ifstream(path));
