@@ -46,7 +46,7 @@ def spectra(rows, cols, generator):
 
 
 def float64_iteration(x, coefficients, eps):
-    x = x / (x.norm() + eps)
+    x = x / x.norm().clamp(min=eps)
     transposed = x.shape[0] > x.shape[1]
     if transposed:
         x = x.T

@@ -1430,10 +1430,9 @@ class TorchMuon(Muon):
     The groups hold torch.optim.Muon's names (``group["ns_steps"]`` and the others are read at
     every step, like the learning rate), and the state is its ``momentum_buffer``: a
     torch.optim.Muon state dict loads (the keys its groups lack come from this optimizer's
-    defaults), and this optimizer's loads into torch.optim.Muon. One difference: the update
-    is divided by max(its norm, eps) where torch.optim.Muon divides by its norm + eps, which
-    differs only for an update of norm near eps. And it takes what Muon takes beyond 2D
-    weights on one device: shards (``partition_dim``, DTensors), 3D expert stacks, fused
+    defaults), and this optimizer's loads into torch.optim.Muon. The update is divided by
+    max(its norm, eps), as torch.optim.Muon's ``clamp(min=eps)`` does. And it takes what Muon
+    takes beyond 2D weights on one device: shards (``partition_dim``, DTensors), 3D expert stacks, fused
     weights (``muon_row_blocks``)."""
 
     def __init__(self, params: Iterable, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
@@ -1585,7 +1584,10 @@ class NewtonSchulz:
     Newton-Schulz result of the whole matrix (the gathered matrix, normalized by its global
     Frobenius norm, then ``ns_steps`` iterations). Collective over ``process_group`` when the
     matrix is sharded (``partition_dim`` 0 or 1, ``shard_sizes`` every rank's extent along it,
-    default: even); ``partition_dim=None`` means every rank holds the whole matrix.
+    default: even); ``partition_dim=None`` means every rank holds the whole matrix. The
+    normalization is part of the call, as in torch.optim.Muon's iteration; TransformerEngine's
+    ``newton_schulz`` iterates on its input as given (its optimizer normalizes first), so the
+    two agree on inputs already of unit Frobenius norm.
 
     ``ns(dtensor)`` takes a 2D DTensor instead: its placements give the split and the process
     group (its cut mesh dimensions'), and each call exchanges the pieces' extents over that
