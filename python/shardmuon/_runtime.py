@@ -99,6 +99,16 @@ def normalize_group(group):
     return group
 
 
+def checked_group(group, where: str):
+    """normalize_group of a process group the user passed: anything but None or a
+    torch.distributed ProcessGroup is refused here, naming it (it would fail inside the first
+    step's collectives otherwise)."""
+    if group is not None and not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
+        raise TypeError(f"{where}: process_group must be None (the default group) or a "
+                        f"torch.distributed ProcessGroup, got {group!r}")
+    return normalize_group(group)
+
+
 def _global_rank(group, rank: int) -> int:
     """The world rank of a group's rank (point-to-point calls take world ranks)."""
     if group is None or group is dist.group.WORLD:

@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 from . import _capi as c
 from ._dtensor import describe, is_dtensor, local_tensor, piece_bytes, redistributed, sharding, write_into
-from ._runtime import Runtimes, group_rank, group_size, normalize_group
+from ._runtime import Runtimes, checked_group, group_rank, group_size
 
 __all__ = ["Muon", "MuonWithAdamW", "TorchMuon", "NewtonSchulz", "muon_param_groups", "load_resharded_state_dict"]
 
@@ -173,10 +173,26 @@ def _stream_of(device: torch.device):
     return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
 
 
+def _ordered_params(params, where: str) -> list:
+    """A list of `params` as torch.optim takes them: a tensor alone is refused as the
+    constructor's argument (torch.optim: "should be an iterable of Tensors or dicts") and
+    taken as a one-tensor list in a group; a set is refused, as torch.optim refuses it: its
+    order differs between processes, and every rank must list the parameters in the same
+    order (their shards are paired by position)."""
+    if isinstance(params, set):
+        raise TypeError(f"{where}: optimizer parameters need to be organized in ordered collections, "
+                        f"but the ordering of tensors in sets will change between runs. Please use a "
+                        f"list instead.")
+    return list(params)
+
+
 def _split_names(params, names: Optional[_PerTensor] = None):
     """Accepts tensors, dicts, or (name, tensor) pairs; returns torch's form and the names
     (added to `names` where given)."""
-    params = list(params)
+    if torch.is_tensor(params):
+        raise TypeError("params argument given to the optimizer should be an iterable of Tensors or "
+                        f"dicts, but got {torch.typename(params)}")
+    params = _ordered_params(params, "params")
     names = _PerTensor() if names is None else names
 
     def unpack(items):
@@ -193,7 +209,10 @@ def _split_names(params, names: Optional[_PerTensor] = None):
         groups = []
         for group in params:
             group = dict(group)
-            group["params"] = unpack(list(group["params"]))
+            tensors = group["params"]
+            tensors = [tensors] if torch.is_tensor(tensors) else _ordered_params(
+                tensors, f"param_groups[{len(groups)}]['params']")
+            group["params"] = unpack(tensors)
             groups.append(group)
         return groups, names
     return unpack(params), names
@@ -223,6 +242,22 @@ def _any_nonfinite(tensors: List[torch.Tensor], device: torch.device) -> torch.T
     return flag.to(torch.float32)
 
 
+def _mark_modified_in_place(tensors: List[torch.Tensor]) -> None:
+    """Moves the version counters of `tensors`, which the library wrote in place through their
+    pointers, as an in-place torch operation would: autograd compares them with the versions
+    it saved, so that a backward pass through a graph that saved a parameter before the step
+    raises, as it does after torch.optim.SGD's step, instead of using the new values. PyTorch
+    2.1 and later bump the counter directly; before, an in-place fill of an empty view shares
+    and bumps the parameter's counter without touching an element (no kernel runs)."""
+    increment = getattr(getattr(torch.autograd, "graph", None), "increment_version", None)
+    with torch.no_grad():
+        for tensor in tensors:
+            if increment is not None:
+                increment(tensor)
+            else:
+                tensor.view(-1)[:0].zero_()
+
+
 def _all_gather_ints(values: List[int], process_group, device: torch.device) -> List[List[int]]:
     """Every rank's `values` ([rank][i]), by one all-gather over the group (on the GPU for an
     NCCL group, whose collectives take CUDA tensors)."""
@@ -247,20 +282,25 @@ def _check_hyperparameters(group: Dict[str, Any], where: str, read_tensors: bool
     """Raises a ValueError naming the group and the bad value (a wrong type included).
     read_tensors=False leaves a tensor learning rate unread (at a step, which may be captured
     in a CUDA graph: reading a CUDA tensor would synchronize)."""
-    if not (torch.is_tensor(group["lr"]) or _is_real(group["lr"])):
-        raise ValueError(f"{where}: lr must be a number or a tensor, got {group['lr']!r}")
+    if not ((torch.is_tensor(group["lr"]) and group["lr"].numel() == 1) or _is_real(group["lr"])):
+        raise ValueError(f"{where}: lr must be a number or a one-element tensor, got {group['lr']!r}")
     for key in ("momentum", "weight_decay", "extra_scale_factor", "eps"):
         if not _is_real(group[key]):
             raise ValueError(f"{where}: {key} must be a number, got {group[key]!r}")
     steps = group["num_ns_steps"]
     if isinstance(steps, bool) or not isinstance(steps, numbers.Integral):
         raise ValueError(f"{where}: num_ns_steps must be an int, got {steps!r}")
-    if (read_tensors or not torch.is_tensor(group["lr"])) and not (group["lr"] >= 0.0):
-        raise ValueError(f"{where}: invalid learning rate: {group['lr']}")
+    # The library refuses what these refuse (infinities too), but only at the first step.
+    if (read_tensors or not torch.is_tensor(group["lr"])) and not (0.0 <= float(group["lr"]) < math.inf):
+        raise ValueError(f"{where}: invalid learning rate: {group['lr']} (must be finite and >= 0)")
     if not (0.0 <= group["momentum"] < 1.0):
         raise ValueError(f"{where}: invalid momentum value: {group['momentum']}")
-    if not (group["weight_decay"] >= 0.0):
-        raise ValueError(f"{where}: invalid weight_decay value: {group['weight_decay']}")
+    if not (0.0 <= group["weight_decay"] < math.inf):
+        raise ValueError(f"{where}: invalid weight_decay value: {group['weight_decay']} (must be finite and >= 0)")
+    if not math.isfinite(group["extra_scale_factor"]):
+        raise ValueError(f"{where}: extra_scale_factor must be finite, got {group['extra_scale_factor']}")
+    if not (0.0 <= group["eps"] < math.inf):
+        raise ValueError(f"{where}: eps must be finite and >= 0, got {group['eps']}")
     if steps < 1:
         raise ValueError(f"{where}: num_ns_steps must be at least 1, got {steps}")
     _check_choice(group, "coefficient_type", c.SCHEDULES, where)
@@ -294,6 +334,11 @@ def _check_hyperparameters(group: Dict[str, Any], where: str, read_tensors: bool
                          f"{group['partition_dim']!r}")
 
 
+# torch.optim.AdamW's options that change what a step computes, beyond its numbers (lr,
+# betas, eps, weight_decay): an AdamW group of MuonWithAdamW passes them on.
+_ADAMW_SWITCHES = ("amsgrad", "maximize")
+
+
 def _check_adamw_hyperparameters(group: Dict[str, Any], where: str) -> None:
     """An AdamW group's values (torch.optim.AdamW checks only its defaults): a ValueError naming
     the group and the bad value."""
@@ -310,6 +355,9 @@ def _check_adamw_hyperparameters(group: Dict[str, Any], where: str) -> None:
         raise ValueError(f"{where}: eps must be a number of at least 0, got {eps!r}")
     if not (_is_real(group["weight_decay"]) and group["weight_decay"] >= 0.0):
         raise ValueError(f"{where}: weight_decay must be a number of at least 0, got {group['weight_decay']!r}")
+    for key in _ADAMW_SWITCHES:
+        if not isinstance(group[key], bool):
+            raise ValueError(f"{where}: {key} must be True or False, got {group[key]!r}")
 
 
 def _weight_decay_mode(group: Dict[str, Any]) -> str:
@@ -401,8 +449,8 @@ class Muon(torch.optim.Optimizer):
         if nonfinite not in c.NONFINITE_POLICIES:
             raise ValueError(f"Muon: nonfinite must be one of {sorted(c.NONFINITE_POLICIES)}, got {nonfinite!r}")
         self._nonfinite = nonfinite
+        self.process_group = checked_group(process_group, "Muon")
         super().__init__(params, defaults)  # checks each group (add_param_group)
-        self.process_group = normalize_group(process_group)
         self._runtimes = Runtimes(ns_batch_bytes, c.NONFINITE_POLICIES[nonfinite])
         # Steps a subclass skipped without a library call that counts them (a device tensor).
         self._steps_skipped_here: Optional[torch.Tensor] = None
@@ -438,7 +486,24 @@ class Muon(torch.optim.Optimizer):
             self.param_groups.pop()
             raise
 
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """torch.optim's, after the saved groups are found to be of this class's form (see
+        _check_saved_groups): a state dict of the other form would load, then fail at the
+        first step."""
+        self._check_saved_groups(state_dict["param_groups"])
+        super().load_state_dict(state_dict)
+
     # -- helpers ------------------------------------------------------------------------------
+
+    def _check_saved_groups(self, groups: List[Dict[str, Any]]) -> None:
+        """Refuses groups saved by TorchMuon or torch.optim.Muon, which name the iteration by
+        ns_coefficients, ns_steps and adjust_lr_fn instead of Muon's names."""
+        for index, group in enumerate(groups):
+            foreign = sorted(set(group) & {"ns_coefficients", "ns_steps", "adjust_lr_fn"})
+            if foreign and "coefficient_type" not in group:
+                raise ValueError(f"{type(self).__name__}: the state dict's param_groups[{index}] has "
+                                 f"{', '.join(foreign)}: it was saved by TorchMuon or torch.optim.Muon "
+                                 "(load it into shardmuon.torch.TorchMuon)")
 
     def _name(self, param: torch.Tensor, group_index: int, index: int) -> str:
         """The parameter's label with what an error message needs: shape, dtype and device."""
@@ -927,6 +992,8 @@ class Muon(torch.optim.Optimizer):
         self._grad_scale = grad_scale  # removed just before the first write (_unscale_once)
         self._verdict = None
         self._muon_step()
+        _mark_modified_in_place([p for _, group in self._muon_groups() for p in group["params"]
+                                 if p.grad is not None])
         self._unscale_once()
         self._other_steps()
         return loss
@@ -1259,8 +1326,11 @@ class MuonWithAdamW(Muon):
     """Muon for the groups marked ``use_muon=True`` and torch.optim.AdamW for the others
     (embeddings, norms, biases, the output head), in one optimizer: one ``step``,
     ``zero_grad``, ``state_dict`` and LR scheduler for both. AdamW groups take ``lr``,
-    ``betas``, ``eps`` and ``weight_decay`` (defaults: adamw_betas, adamw_eps, 0.0): an
-    AdamW group's ``eps`` is AdamW's, a Muon group's Muon's.
+    ``betas``, ``eps``, ``weight_decay``, ``amsgrad`` and ``maximize`` (defaults: adamw_betas,
+    adamw_eps, 0.0, False, False): an AdamW group's ``eps`` is AdamW's, a Muon group's Muon's.
+    A scheduler that cycles momentum (OneCycleLR's ``cycle_momentum``, CyclicLR's) sets the
+    Muon groups' ``momentum`` only: this optimizer's defaults have no ``betas``, so it never
+    writes the AdamW groups' beta1.
     ``muon_param_groups(model)`` builds such groups from a model.
 
     Under ``nonfinite`` "skip" or "raise", a NaN or Inf in any gradient, Muon's or AdamW's,
@@ -1275,7 +1345,8 @@ class MuonWithAdamW(Muon):
 
     def __init__(self, param_groups: List[Dict[str, Any]], *, adamw_betas=(0.9, 0.95),
                  adamw_eps: float = 1e-8, **muon_kwargs):
-        self._adamw_defaults = {"betas": adamw_betas, "eps": adamw_eps, "weight_decay": 0.0}
+        self._adamw_defaults = {"betas": adamw_betas, "eps": adamw_eps, "weight_decay": 0.0, "amsgrad": False,
+                                "maximize": False}
         param_groups = [self._with_adamw_defaults(group, index) for index, group in enumerate(param_groups)]
         super().__init__(param_groups, **muon_kwargs)
         # torch.optim.AdamW refuses an empty list: without AdamW groups it is made when the
@@ -1285,8 +1356,9 @@ class MuonWithAdamW(Muon):
         self._link_adam()
 
     def _with_adamw_defaults(self, group: Dict[str, Any], index: int) -> Dict[str, Any]:
-        if "use_muon" not in group:
-            raise ValueError(f"MuonWithAdamW: param_groups[{index}] lacks use_muon=True/False")
+        if not isinstance(group.get("use_muon"), bool):
+            raise ValueError(f"MuonWithAdamW: param_groups[{index}] needs use_muon=True or False, got "
+                             f"{group.get('use_muon', 'none')!r}")
         group = dict(group)
         if not group["use_muon"]:
             for key, value in self._adamw_defaults.items():
@@ -1310,7 +1382,8 @@ class MuonWithAdamW(Muon):
     @staticmethod
     def _adamw_group(group: Dict[str, Any]) -> Dict[str, Any]:
         return {"params": group["params"], "lr": group["lr"], "betas": group["betas"],
-                "eps": group["eps"], "weight_decay": group["weight_decay"]}
+                "eps": group["eps"], "weight_decay": group["weight_decay"],
+                **{key: group[key] for key in _ADAMW_SWITCHES}}
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         """Muon's; a group added after construction with use_muon=False joins AdamW too."""
@@ -1369,6 +1442,8 @@ class MuonWithAdamW(Muon):
             theirs["weight_decay"] = ours["weight_decay"]
             theirs["betas"] = ours["betas"]
             theirs["eps"] = ours["eps"]
+            for key in _ADAMW_SWITCHES:
+                theirs[key] = ours[key]
         fused = any(g.get("fused") for g in self._adam.param_groups)
         if self._verdict is None:  # "proceed", or no gradient to check
             self._adam.found_inf = None
@@ -1394,11 +1469,22 @@ class MuonWithAdamW(Muon):
     def load_state_dict(self, state_dict):
         # Saved before the forty-first session, an AdamW group kept AdamW's eps as "adamw_eps"
         # (and Muon's default under "eps", which it ignored).
+        # Saved before the forty-fourth, it lacked amsgrad and maximize (AdamW's defaults then).
+        # A group saved as the other optimizer (Muon for AdamW) is refused: AdamW's state for
+        # it would be missing, and its step would fail after the Muon groups' had written.
+        saved = state_dict["param_groups"]
+        if len(saved) == len(self.param_groups):
+            for index, (group, ours) in enumerate(zip(saved, self.param_groups)):
+                if group.get("use_muon") != ours["use_muon"]:
+                    raise ValueError(f"MuonWithAdamW.load_state_dict: param_groups[{index}] was saved with "
+                                     f"use_muon={group.get('use_muon')!r}, but here it has "
+                                     f"use_muon={ours['use_muon']}")
         groups = []
-        for group in state_dict["param_groups"]:
-            if not group.get("use_muon", True) and "adamw_eps" in group:
-                group = dict(group)
-                group["eps"] = group.pop("adamw_eps")
+        for group in saved:
+            if not group.get("use_muon", True):
+                group = {**{key: False for key in _ADAMW_SWITCHES}, **group}
+                if "adamw_eps" in group:
+                    group["eps"] = group.pop("adamw_eps")
             groups.append(group)
         super().load_state_dict({**state_dict, "param_groups": groups})
         self._link_adam()
@@ -1468,14 +1554,17 @@ class TorchMuon(Muon):
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Muon's; a group saved without some of this optimizer's keys (by torch.optim.Muon)
         takes them from its defaults."""
-        for index, group in enumerate(state_dict["param_groups"]):
+        self._check_saved_groups(state_dict["param_groups"])
+        state_dict = dict(state_dict)
+        state_dict["param_groups"] = [{**self.defaults, **group} for group in state_dict["param_groups"]]
+        super().load_state_dict(state_dict)
+
+    def _check_saved_groups(self, groups: List[Dict[str, Any]]) -> None:
+        for index, group in enumerate(groups):
             derived = sorted(set(group) & set(_TORCH_DERIVED))
             if derived:
                 raise ValueError(f"TorchMuon: the state dict's param_groups[{index}] has {', '.join(derived)}: "
                                  "it was saved by Muon, whose groups name the iteration otherwise")
-        state_dict = dict(state_dict)
-        state_dict["param_groups"] = [{**self.defaults, **group} for group in state_dict["param_groups"]]
-        super().load_state_dict(state_dict)
 
     def _hyperparameters(self, group: Dict[str, Any], where: str) -> Dict[str, Any]:
         adjust_lr_fn, steps, coefficients = group["adjust_lr_fn"], group["ns_steps"], group["ns_coefficients"]
@@ -1597,7 +1686,7 @@ class NewtonSchulz:
 
     def __init__(self, process_group=None, *, ns_steps: int = 5, coefficient_type: str = "quintic",
                  eps: float = 1e-7, algorithm: str = "auto"):
-        self.process_group = normalize_group(process_group)
+        self.process_group = checked_group(process_group, "NewtonSchulz")
         self._options = c.NsOptions()
         c.check(c.lib.shardmuon_ns_options_default(ctypes.byref(self._options)))
         if coefficient_type not in c.SCHEDULES or coefficient_type == "custom":

@@ -478,8 +478,10 @@ def test_bad_inputs_name_the_parameter():
 def test_library_errors_arrive_as_exceptions_with_the_message():
     weight = torch.nn.Parameter(torch.randn(5, 7))
     weight.grad = torch.randn(5, 7)
-    optimizer = st.Muon([weight], eps=-1.0)  # the library checks eps
-    with pytest.raises(shardmuon.ShardmuonError, match=r"groups\[0\]\.ns\.eps must be finite and >= 0"):
+    # A combination only the library checks (the front end checks eps, lr and the others).
+    optimizer = st.Muon([weight], coefficient_type="cans", algorithm="gram_applied_twice")
+    with pytest.raises(shardmuon.ShardmuonError, match=r"groups\[0\]\.ns\.algorithm GRAM_APPLIED_TWICE does "
+                                                       r"not take groups\[0\]\.ns\.schedule CANS"):
         optimizer.step()
     assert "momentum_buffer" in optimizer.state[weight]
     assert torch.count_nonzero(optimizer.state[weight]["momentum_buffer"]) == 0  # untouched
@@ -706,7 +708,7 @@ def test_muon_with_adamw_steps_an_adamw_group_added_later():
     weight, bias, late = (torch.nn.Parameter(torch.randn(*shape)) for shape in [(6, 4), (6,), (3,)])
     optimizer = st.MuonWithAdamW([{"params": [weight], "use_muon": True},
                                   {"params": [bias], "use_muon": False, "lr": 1e-3}], lr=0.02)
-    with pytest.raises(ValueError, match=r"param_groups\[2\] lacks use_muon"):
+    with pytest.raises(ValueError, match=r"param_groups\[2\] needs use_muon=True or False"):
         optimizer.add_param_group({"params": [late]})
     assert len(optimizer.param_groups) == 2
     optimizer.add_param_group({"params": [late], "use_muon": False, "lr": 1e-2})
@@ -1133,3 +1135,112 @@ def test_a_cpu_grad_scaler_steps_as_its_ordinary_path_does():
     (ours, our_scale), (theirs, their_scale) = runs
     assert our_scale == their_scale
     assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
+
+
+def test_a_step_moves_the_versions_of_the_parameters_it_writes():
+    # The library writes through pointers autograd does not see: without the versions moved,
+    # a backward pass through a graph that saved a weight before the step used the new one.
+    torch.manual_seed(11)
+    weight, frozen = torch.nn.Parameter(torch.randn(6, 4)), torch.nn.Parameter(torch.randn(5, 3))
+    optimizer = st.Muon([weight, frozen], lr=0.02)
+    x = torch.randn(4, 2, requires_grad=True)
+    loss = (weight @ x).pow(2).sum()  # saves weight for x's gradient
+    weight.grad = torch.randn(6, 4)
+    versions = weight._version, frozen._version
+    optimizer.step()
+    assert weight._version > versions[0]
+    assert frozen._version == versions[1]  # no gradient: not written
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+def test_parameter_collections_are_taken_as_torch_optim_takes_them():
+    weight = torch.nn.Parameter(torch.randn(6, 4))
+    # A set's order differs between processes, whose shards are paired by position.
+    with pytest.raises(TypeError, match="ordered collections"):
+        st.Muon({weight})
+    with pytest.raises(TypeError, match=r"param_groups\[0\]\['params'\].*ordered collections"):
+        st.Muon([{"params": {weight}}])
+    with pytest.raises(TypeError, match="ordered collections"):
+        st.Muon([torch.nn.Parameter(torch.randn(3, 3))]).add_param_group({"params": {weight}})
+    with pytest.raises(TypeError, match="iterable of Tensors or dicts"):
+        st.Muon(weight)
+    # A group's lone tensor is a list of one (it was iterated into its rows).
+    twin = torch.nn.Parameter(weight.detach().clone())
+    grad = torch.randn(6, 4)
+    ours, theirs = st.Muon([{"params": weight}], lr=0.02), st.Muon([twin], lr=0.02)
+    assert ours.param_groups[0]["params"] == [weight]
+    weight.grad, twin.grad = grad.clone(), grad.clone()
+    ours.step()
+    theirs.step()
+    assert torch.equal(weight, twin)
+    both = st.MuonWithAdamW([{"params": weight, "use_muon": True}])
+    assert both.param_groups[0]["params"] == [weight]
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"lr": float("inf")}, "invalid learning rate: inf"),
+    ({"lr": torch.tensor([0.1, 0.2])}, "lr must be a number or a one-element tensor"),
+    ({"weight_decay": float("inf")}, "invalid weight_decay value: inf"),
+    ({"eps": -1.0}, "eps must be finite and >= 0, got -1.0"),
+    ({"eps": float("nan")}, "eps must be finite and >= 0, got nan"),
+    ({"extra_scale_factor": float("inf")}, "extra_scale_factor must be finite, got inf"),
+])
+def test_values_the_library_refuses_are_refused_at_construction(options, message):
+    with pytest.raises(ValueError, match=re.escape(f"Muon: {message}")):
+        st.Muon([torch.nn.Parameter(torch.randn(6, 4))], **options)
+
+
+@pytest.mark.parametrize("group", [5, "world"])
+def test_a_process_group_that_is_not_one_is_refused_by_name(group):
+    with pytest.raises(TypeError, match=f"Muon: process_group must be None .* got {group!r}"):
+        st.Muon([torch.nn.Parameter(torch.randn(6, 4))], process_group=group)
+    with pytest.raises(TypeError, match="NewtonSchulz: process_group must be"):
+        st.NewtonSchulz(group)
+
+
+@pytest.mark.parametrize("switch", ["amsgrad", "maximize"])
+def test_muon_with_adamw_passes_adamws_switches_on(switch):
+    torch.manual_seed(12)
+    weight, bias = torch.nn.Parameter(torch.randn(6, 4)), torch.nn.Parameter(torch.randn(7))
+    twin = torch.nn.Parameter(bias.detach().clone())
+    optimizer = st.MuonWithAdamW([{"params": [weight], "use_muon": True},
+                                  {"params": [bias], "use_muon": False, "lr": 1e-2, switch: True}], lr=0.02)
+    adamw = torch.optim.AdamW([twin], lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, **{switch: True})
+    for step in range(3):
+        weight.grad, bias.grad = torch.randn(6, 4), torch.randn(7) * (3.0 if step == 0 else 0.1)
+        twin.grad = bias.grad.clone()
+        optimizer.step()
+        adamw.step()
+    assert torch.equal(bias.detach(), twin.detach())
+    assert sorted(optimizer.state[bias]) == sorted(adamw.state[twin])
+    with pytest.raises(ValueError, match=rf"param_groups\[1\]: {switch} must be True or False, got 'yes'"):
+        st.MuonWithAdamW([{"params": [weight], "use_muon": True},
+                          {"params": [bias], "use_muon": False, switch: "yes"}])
+
+
+def test_muon_with_adamw_refuses_a_use_muon_that_is_not_a_bool_and_a_save_of_other_groups():
+    weight, bias = torch.nn.Parameter(torch.randn(6, 4)), torch.nn.Parameter(torch.randn(6, 2))
+    with pytest.raises(ValueError, match=r"param_groups\[0\] needs use_muon=True or False, got 'no'"):
+        st.MuonWithAdamW([{"params": [weight], "use_muon": "no"}])
+    saved_as = st.MuonWithAdamW([{"params": [weight], "use_muon": True}, {"params": [bias], "use_muon": False}])
+    weight.grad, bias.grad = torch.randn(6, 4), torch.randn(6, 2)
+    saved_as.step()
+    loaded_into = st.MuonWithAdamW([{"params": [weight], "use_muon": False}, {"params": [bias], "use_muon": True}])
+    before = copy.deepcopy(loaded_into.state_dict())
+    with pytest.raises(ValueError, match=r"param_groups\[0\] was saved with use_muon=True, but here it has "
+                                         r"use_muon=False"):
+        loaded_into.load_state_dict(saved_as.state_dict())
+    assert loaded_into.state_dict() == before
+
+
+def test_a_state_dict_of_torch_optim_muons_form_is_refused_by_muon_at_load():
+    weight = torch.nn.Parameter(torch.randn(6, 4))
+    torch_form = st.TorchMuon([weight])
+    weight.grad = torch.randn(6, 4)
+    torch_form.step()
+    muon = st.Muon([weight])
+    with pytest.raises(ValueError, match=r"param_groups\[0\] has adjust_lr_fn, ns_coefficients, ns_steps: "
+                                         r"it was saved by TorchMuon or torch.optim.Muon"):
+        muon.load_state_dict(torch_form.state_dict())
+    assert not muon.state
