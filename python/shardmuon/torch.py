@@ -248,7 +248,8 @@ def _mark_modified_in_place(tensors: List[torch.Tensor]) -> None:
     it saved, so that a backward pass through a graph that saved a parameter before the step
     raises, as it does after torch.optim.SGD's step, instead of using the new values. PyTorch
     2.1 and later bump the counter directly; before, an in-place fill of an empty view shares
-    and bumps the parameter's counter without touching an element (no kernel runs)."""
+    and bumps the parameter's counter without touching an element (no kernel runs). A step
+    skipped for a NaN moves them too: only the GPU knows of the skip without a wait."""
     increment = getattr(getattr(torch.autograd, "graph", None), "increment_version", None)
     with torch.no_grad():
         for tensor in tensors:
