@@ -287,13 +287,13 @@ SHARDMUON_API shardmuon_status shardmuon_context_set_step_flag(shardmuon_context
 /* For a step whose parameters are split over several communicators (a device mesh's
  * dimensions: one shardmuon_muon_step per communicator): replaces the context's step flag with
  * the number of ranks of comm whose flag is set (non-zero, NaN included; so flags of opposite
- * signs cannot cancel), in stream order, once the ranks have agreed that each of them makes this
- * call under the same non-finite policy. Made over each communicator in turn, before the first
- * step, with the flag holding whether anything of this rank's whole step is not finite, it
- * leaves every rank of a mesh the same flag (for communicators along its dimensions), so that
- * all the steps skip or none does: without it, a step reads only its own communicator's
- * gradients and the verdicts of the steps before it, and the steps before a non-finite
- * gradient's would already have written. A rank that failed before this call calls
+ * signs cannot cancel; 0 or 1 on a communicator of one rank), in stream order, once the ranks have
+ * agreed that each of them makes this call under the same non-finite policy. Made over each
+ * communicator in turn, before the first step, with the flag holding whether anything of this
+ * rank's whole step is not finite, it leaves every rank of a mesh the same flag (for communicators
+ * along its dimensions), so that all the steps skip or none does: without it, a step reads only its
+ * own communicator's gradients and the verdicts of the steps before it, and the steps before a
+ * non-finite gradient's would already have written. A rank that failed before this call calls
  * shardmuon_muon_step with a negative num_params here instead, and the others' calls return
  * SHARDMUON_ERROR_PEER_FAILED; a rank told so does the same over the communicators after. So a
  * failure found on one rank ends the whole step on every rank before anything is written,

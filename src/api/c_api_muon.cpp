@@ -170,10 +170,13 @@ shardmuon_status shardmuon_context_reduce_step_flag(shardmuon_context_t context,
                                   "policy ",
                                   static_cast<int>(context->settings.nonfinite_policy)));
     }
-    if (checked && group.size() > 1) {
-      // The sum counts the ranks whose flag is set: flags of opposite signs cannot cancel.
+    if (checked) {
+      // The sum counts the ranks whose flag is set: flags of opposite signs cannot cancel. A
+      // group of one marks its flag too, so that every caller reads a count (1, not -3 or NaN).
       backend->mark_if_set(context->settings.step_flag, context->settings.step_flag, stream);
-      group.all_reduce_sum(context->settings.step_flag, 1, SHARDMUON_FLOAT32, stream);
+      if (group.size() > 1) {
+        group.all_reduce_sum(context->settings.step_flag, 1, SHARDMUON_FLOAT32, stream);
+      }
     }
   });
 }

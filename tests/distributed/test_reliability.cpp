@@ -465,6 +465,17 @@ TEST_F(StepFlagReduction, OverEachCommunicatorInTurnGivesTheReplayedCounts) {
   EXPECT_NE(read(flag), 0.0f) << "rank " << rank;
 }
 
+TEST_F(StepFlagReduction, OverOneRankGivesACountToo) {
+  const Group& alone = Harness::get().group(1);
+  if (!alone.member) GTEST_SKIP() << "rank 0 alone";
+  for (float initial : {-3.0f, std::numeric_limits<float>::quiet_NaN(), 0.0f, 2.0f}) {
+    const Buffer flag = flag_of(initial);
+    use(flag);
+    ASSERT_EQ(reduce(alone), SHARDMUON_SUCCESS) << shardmuon_last_error();
+    EXPECT_EQ(read(flag), initial == 0.0f ? 0.0f : 1.0f) << "from " << initial;
+  }
+}
+
 TEST_F(StepFlagReduction, BeforeStepsOverTwoCommunicatorsAllOfThemSkip) {
   const int ranks = Harness::get().max_group_size();
   if (ranks < 2) GTEST_SKIP() << "needs two ranks";
