@@ -174,11 +174,9 @@ def _stream_of(device: torch.device):
 
 
 def _ordered_params(params, where: str) -> list:
-    """A list of `params` as torch.optim takes them: a tensor alone is refused as the
-    constructor's argument (torch.optim: "should be an iterable of Tensors or dicts") and
-    taken as a one-tensor list in a group; a set is refused, as torch.optim refuses it: its
-    order differs between processes, and every rank must list the parameters in the same
-    order (their shards are paired by position)."""
+    """`params` as a list; a set is refused, as torch.optim refuses it: its order differs
+    between processes, and every rank must list the parameters in the same order (their
+    shards are paired by position)."""
     if isinstance(params, set):
         raise TypeError(f"{where}: optimizer parameters need to be organized in ordered collections, "
                         f"but the ordering of tensors in sets will change between runs. Please use a "
@@ -1468,9 +1466,6 @@ class MuonWithAdamW(Muon):
             self._adam.step()
 
     def load_state_dict(self, state_dict):
-        # Saved before the forty-first session, an AdamW group kept AdamW's eps as "adamw_eps"
-        # (and Muon's default under "eps", which it ignored).
-        # Saved before the forty-fourth, it lacked amsgrad and maximize (AdamW's defaults then).
         # A group saved as the other optimizer (Muon for AdamW) is refused: AdamW's state for
         # it would be missing, and its step would fail after the Muon groups' had written.
         saved = state_dict["param_groups"]
@@ -1480,6 +1475,9 @@ class MuonWithAdamW(Muon):
                     raise ValueError(f"MuonWithAdamW.load_state_dict: param_groups[{index}] was saved with "
                                      f"use_muon={group.get('use_muon')!r}, but here it has "
                                      f"use_muon={ours['use_muon']}")
+        # Saved before the forty-fourth session, an AdamW group lacked amsgrad and maximize
+        # (False: AdamW's defaults); before the forty-first, it kept AdamW's eps as
+        # "adamw_eps" (and Muon's default under "eps", which it ignored).
         groups = []
         for group in saved:
             if not group.get("use_muon", True):
@@ -1554,8 +1552,7 @@ class TorchMuon(Muon):
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Muon's; a group saved without some of this optimizer's keys (by torch.optim.Muon)
-        takes them from its defaults."""
-        self._check_saved_groups(state_dict["param_groups"])
+        takes them from its defaults (never Muon's names: _check_saved_groups refuses those)."""
         state_dict = dict(state_dict)
         state_dict["param_groups"] = [{**self.defaults, **group} for group in state_dict["param_groups"]]
         super().load_state_dict(state_dict)
