@@ -367,6 +367,16 @@ def _weight_decay_mode(group: Dict[str, Any]) -> str:
     return "l2" if group.get("use_decoupled_weight_decay") is False else "decoupled"
 
 
+def _check_matrix_rank(param: torch.Tensor, group: Dict[str, Any], name: str) -> None:
+    """Refuses a parameter Muon cannot take as a matrix: one of other than 2 or 3 dimensions,
+    unless it is marked as a flat shard (by its group or its own partition_dim)."""
+    flat = "flat" in (getattr(param, "partition_dim", None), group["partition_dim"])
+    if param.ndim not in (2, 3) and not flat:
+        raise ValueError(f"{name}: Muon takes 2D parameters, or 3D ones (experts x rows x "
+                         "cols, each expert on its own), or flat shards (partition_dim "
+                         "\"flat\"); train this one with AdamW (see MuonWithAdamW)")
+
+
 class Muon(torch.optim.Optimizer):
     """Muon over 2D parameters that may be sharded across ``process_group``.
 
@@ -479,8 +489,14 @@ class Muon(torch.optim.Optimizer):
         super().add_param_group(param_group)
         index = len(self.param_groups) - 1
         where = f"Muon param_groups[{index}]"
+        group = self.param_groups[index]
         try:
-            _check_hyperparameters(self._hyperparameters(self.param_groups[index], where), where)
+            _check_hyperparameters(self._hyperparameters(group, where), where)
+            if any(i == index for i, _ in self._muon_groups()):
+                # As torch.optim.Muon does: a bias or a norm's weight passed by mistake fails
+                # here, not at the first step.
+                for position, param in enumerate(group["params"]):
+                    _check_matrix_rank(param, group, self._name(param, index, position))
         except (ValueError, TypeError):
             self.param_groups.pop()
             raise
@@ -763,11 +779,7 @@ class Muon(torch.optim.Optimizer):
 
     def _entry(self, param, group, group_index: int, name):
         """A parameter's entry: its checks on this rank, and the matrix the library sees."""
-        flat = "flat" in (getattr(param, "partition_dim", None), group["partition_dim"])
-        if param.ndim not in (2, 3) and not flat:
-            raise ValueError(f"{name}: Muon takes 2D parameters, or 3D ones (experts x rows x "
-                             "cols, each expert on its own), or flat shards (partition_dim "
-                             "\"flat\"); train this one with AdamW (see MuonWithAdamW)")
+        _check_matrix_rank(param, group, name)  # again: its .data or its group may have changed
         blocks = getattr(param, "muon_row_blocks", None)
         if param.ndim == 3 and blocks not in (None, 1, param.shape[0]):  # 1: nothing to split
             raise ValueError(f"{name}: muon_row_blocks ({blocks!r}) is for 2D weights; a 3D parameter's "

@@ -424,7 +424,22 @@ def test_bad_inputs_name_the_parameter():
     bias = torch.nn.Parameter(torch.randn(7))
     bias.grad = torch.randn(7)
     with pytest.raises(ValueError, match=r"layer\.bias \(shape \(7,\), torch\.float32, cpu\): .*2D parameters"):
-        st.Muon([("layer.bias", bias)]).step()
+        st.Muon([("layer.bias", bias)])  # at construction, as torch.optim.Muon refuses it
+    weight = torch.nn.Parameter(torch.randn(6, 4))
+    optimizer = st.Muon([weight])
+    with pytest.raises(ValueError, match=r"param_groups\[1\]\['params'\]\[0\] \(shape \(7,\).*2D parameters"):
+        optimizer.add_param_group({"params": [bias]})
+    assert len(optimizer.param_groups) == 1
+    conv = torch.nn.Parameter(torch.randn(3, 2, 2, 2))
+    with pytest.raises(ValueError, match=r"shape \(3, 2, 2, 2\).*2D parameters"):
+        st.TorchMuon([conv])
+    with pytest.raises(ValueError, match="2D parameters"):
+        st.MuonWithAdamW([{"params": [bias], "use_muon": True}])
+    st.MuonWithAdamW([{"params": [weight], "use_muon": True}, {"params": [bias, conv], "use_muon": False}])
+    weight.data = torch.randn(24)  # its .data replaced after construction: refused at the step
+    weight.grad = torch.randn(24)
+    with pytest.raises(ValueError, match="2D parameters"):
+        optimizer.step()
 
     # A gradient of another dtype than its parameter: PyTorch refuses the assignment itself
     # (1.13: "different type"; 2.11: "grad_dtype"), unless the tensor allows gradients of any
