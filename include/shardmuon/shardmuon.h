@@ -7,10 +7,13 @@
  *  - Every function returns a shardmuon_status. SHARDMUON_SUCCESS is 0; on any other value
  *    shardmuon_last_error() returns a message (per thread) that names the offending argument
  *    and its value. C++ exceptions never cross this boundary.
- *  - GPU work is enqueued on the CUDA stream the caller passes (as a void*, a cudaStream_t),
- *    never on the legacy default stream, and the host does not wait for it. The one
- *    exception is the cross-rank argument check (see shardmuon_newton_schulz), which waits
- *    for a few bytes exchanged on a private channel, never for the caller's stream.
+ *  - GPU work is enqueued on the CUDA stream the caller passes (as a void*, a cudaStream_t;
+ *    NULL is the legacy default stream), never on another, and the Newton-Schulz and step
+ *    calls do not wait for it, except for the cross-rank argument check (see
+ *    shardmuon_newton_schulz), which waits for a few bytes exchanged on a private channel,
+ *    never for the caller's stream. The calls that do wait say so: a step under the RAISE
+ *    policy, save and load, shardmuon_context_nonfinite_counts, and creating or destroying a
+ *    buffer or a context.
  *  - Matrices are row-major (PyTorch's out x in layout) and contiguous.
  *  - Calls that take a communicator are collective: every rank of the group makes them, in
  *    the same order. If the ranks pass arguments that disagree, every rank returns an error
@@ -35,6 +38,12 @@ extern "C" {
 #define SHARDMUON_VERSION_MAJOR 0
 #define SHARDMUON_VERSION_MINOR 1
 #define SHARDMUON_VERSION_PATCH 0
+
+/* Bounds on arguments that size the library's own tables: past them a call would spend
+ * minutes and gigabytes on its plan before failing (shardmuon_ns_options.num_iterations,
+ * shardmuon_muon_param.row_blocks). */
+#define SHARDMUON_MAX_NS_ITERATIONS 1000
+#define SHARDMUON_MAX_ROW_BLOCKS 65536
 
 /* ------------------------------------------------------------------------------------------ */
 /* Status and errors                                                                           */
@@ -62,7 +71,8 @@ typedef enum shardmuon_status {
    * shardmuon_comm_set_timeout); the communicator handle is unusable afterwards. */
   SHARDMUON_ERROR_TIMEOUT = 12,
   /* A gradient or an update was not finite and the policy is RAISE. For a non-finite gradient
-   * (or a set step flag) nothing was written; for a non-finite update, the parameters the
+   * (or a set step flag) no parameter or momentum was written (the step flag holds the
+   * verdict, and the skipped steps are counted); for a non-finite update, the parameters the
    * message names and their momentum were left as they were, the others were updated. */
   SHARDMUON_ERROR_NON_FINITE = 13
 } shardmuon_status;
@@ -182,7 +192,7 @@ typedef enum shardmuon_ns_algorithm {
 } shardmuon_ns_algorithm;
 
 typedef struct shardmuon_ns_options {
-  int num_iterations; /* K >= 1 */
+  int num_iterations; /* 1 <= K <= SHARDMUON_MAX_NS_ITERATIONS */
   shardmuon_schedule schedule;
   /* SHARDMUON_SCHEDULE_CUSTOM only: num_iterations triples a_0, b_0, c_0, a_1, ... */
   const double* custom_coefficients;
@@ -234,14 +244,18 @@ typedef enum shardmuon_nonfinite_policy {
   /* As SKIP, and the step returns SHARDMUON_ERROR_NON_FINITE naming the parameters; the host
    * waits for the step's end to know. */
   SHARDMUON_NONFINITE_RAISE = 1,
-  /* No check: non-finite values reach momentum and parameters (the fastest path). */
+  /* No check: non-finite values reach momentum and parameters (the fastest path). The
+   * momentum is updated in place before the orthogonalization's collectives: a step that
+   * fails in them (a communicator's error) returns with the momentum advanced and the
+   * parameters not, where SKIP and RAISE leave both as they were. */
   SHARDMUON_NONFINITE_PROCEED = 2
 } shardmuon_nonfinite_policy;
 
 /* cuda_device is ignored for the CPU backend. */
 SHARDMUON_API shardmuon_status shardmuon_context_create(shardmuon_backend backend, int cuda_device,
                                                         shardmuon_context_t* context);
-/* Waits for the context's outstanding GPU work, then frees it. NULL is a no-op. */
+/* Waits for the context's outstanding GPU work, then frees it and the buffers of
+ * shardmuon_buffer_create it still holds. NULL is a no-op. */
 SHARDMUON_API shardmuon_status shardmuon_context_destroy(shardmuon_context_t context);
 SHARDMUON_API shardmuon_status shardmuon_context_backend(shardmuon_context_t context,
                                                          shardmuon_backend* backend);
@@ -314,7 +328,9 @@ SHARDMUON_API shardmuon_status shardmuon_context_workspace_bytes(shardmuon_conte
  * Allocation synchronizes with the device; meant for set-up, not for every step. */
 SHARDMUON_API shardmuon_status shardmuon_buffer_create(shardmuon_context_t context, size_t bytes,
                                                        void** buffer);
-/* Frees a buffer of shardmuon_buffer_create after the device work using it. NULL is a no-op. */
+/* Frees a buffer of shardmuon_buffer_create after the device work using it. NULL is a no-op;
+ * a pointer that is not a live buffer of this context's (freed already, or made otherwise) is
+ * refused with INVALID_ARGUMENT. */
 SHARDMUON_API shardmuon_status shardmuon_buffer_destroy(shardmuon_context_t context, void* buffer);
 
 /* A group of one rank (no communication); works with every backend. */
@@ -534,7 +550,8 @@ typedef struct shardmuon_muon_param {
    * orthogonalized (and scaled) each on its own: the experts of a mixture-of-experts weight
    * (E x m x n seen as (E m) x n), or a fused weight split by head or by part (QKV with
    * row_blocks = the number of heads of head_dim rows; gate and up with row_blocks = 2).
-   * rows must be a multiple of it. 0, the zero-initialized value, means 1: one matrix. */
+   * rows must be a multiple of it, and it at most SHARDMUON_MAX_ROW_BLOCKS. 0, the
+   * zero-initialized value, means 1: one matrix. */
   int64_t row_blocks;
 } shardmuon_muon_param;
 
@@ -546,15 +563,16 @@ typedef struct shardmuon_muon_param {
  * fused on the GPU: one pass for weight decay + momentum + Nesterov, one for scale + update.
  *
  * CUDA graphs: a step may be captured (cudaStreamBeginCapture on `stream`, any capture mode;
- * torch.cuda.graph) once the same step, with the same parameters, layouts and
- * hyperparameters, has run uncaptured on this comm and context. The captured step neither
- * checks arguments across ranks (that waits on the host) nor allocates: it must repeat the
- * last uncaptured step's arguments, or it returns INVALID_ARGUMENT on this rank (the other
- * ranks cannot know, so keep the arguments equal everywhere). Replays use the captured
- * buffers and hyperparameters, the learning rate included unless a group reads it from
- * device memory (lr_on_device); copy new gradients into the same buffers between replays. The
- * non-finite policy must be SKIP or PROCEED (RAISE waits on the host). After a capture the
- * context's workspace never moves, so a later call that needs a larger one fails: capture after the
+ * torch.cuda.graph) once the same step, with the same parameters, layouts and hyperparameters,
+ * has run uncaptured on this comm and context. The captured step neither checks arguments
+ * across ranks (that waits on the host) nor allocates: it must repeat the last uncaptured
+ * step's arguments on this comm; where their shapes, layouts, dtypes or hyperparameters differ
+ * it returns INVALID_ARGUMENT on this rank (the other ranks cannot know, so keep the arguments
+ * equal everywhere; buffer addresses are not compared). Replays use the captured buffers and
+ * hyperparameters, the learning rate included unless a group reads it from device memory
+ * (lr_on_device); copy new gradients into the same buffers between replays. The non-finite
+ * policy must be SKIP or PROCEED (RAISE waits on the host). After a capture the context's
+ * workspace never moves, so a later call that needs a larger one fails: capture after the
  * context's largest call. */
 SHARDMUON_API shardmuon_status shardmuon_muon_step(
     shardmuon_context_t context, shardmuon_comm_t comm, const shardmuon_muon_param* params,
@@ -565,8 +583,9 @@ SHARDMUON_API shardmuon_status shardmuon_muon_step(
  * on this rank only). For each parameter, algorithms[i] is one of LOCAL, DUPLICATED,
  * GRAM_ALLREDUCE, GRAM_ALLREDUCE_REDISTRIBUTED or OWNER (for a stacked parameter, its first
  * block's), and owners[i] the rank that orthogonalizes it under OWNER (its first block's),
- * else -1. A parameter without gradient reports the plan it would have. Either output may be
- * NULL. */
+ * else -1. A parameter without gradient, which the step skips, reports the plan it would have
+ * on its own: it is never in the owners' batch (OWNER is not reported for it, and owners[i] is
+ * -1). Either output may be NULL. */
 SHARDMUON_API shardmuon_status shardmuon_muon_plan(
     shardmuon_context_t context, shardmuon_comm_t comm, const shardmuon_muon_param* params,
     int num_params, const shardmuon_muon_group* groups, int num_groups,
@@ -587,9 +606,11 @@ SHARDMUON_API shardmuon_status shardmuon_muon_plan_gram_iteration(
  * shardmuon_muon_plan reports (which names (c)'s GRAM_ALLREDUCE, GRAM_ALLREDUCE_REDISTRIBUTED
  * for short-side shards, or LOCAL on one rank or for a replicated parameter); for a stacked
  * parameter its first block's. Always 1 where a group asks for GRAM_APPLIED_TWICE, never under
- * DUPLICATED, GRAM_ALLREDUCE, GRAM_NEWTON_SCHULZ or OWNER (an owner runs the standard iteration
- * or (e)); under AUTO the cost model's choice, as shardmuon_ns_plan_applied_twice reports for
- * the parameter's layout. Checked and computed as shardmuon_muon_plan, without communicating. */
+ * DUPLICATED, GRAM_ALLREDUCE or GRAM_NEWTON_SCHULZ, nor under OWNER for a parameter with a
+ * gradient (an owner runs the standard iteration or (e)); under AUTO, and under OWNER for a
+ * parameter without gradient (planned on its own, see shardmuon_muon_plan), the cost model's
+ * choice, as shardmuon_ns_plan_applied_twice reports for the parameter's layout. Checked and
+ * computed as shardmuon_muon_plan, without communicating. */
 SHARDMUON_API shardmuon_status shardmuon_muon_plan_applied_twice(
     shardmuon_context_t context, shardmuon_comm_t comm, const shardmuon_muon_param* params,
     int num_params, const shardmuon_muon_group* groups, int num_groups, int* applied_twice);
@@ -606,8 +627,11 @@ SHARDMUON_API shardmuon_status shardmuon_muon_plan_applied_twice(
  * ranks loads on 1 or on 3, with other shard sizes or another partition. */
 
 /* Writes the state into directory (created if missing). Collective over comm. names are the
- * parameters' unique names (at most 200 bytes of [A-Za-z0-9_.-]); grad pointers are ignored.
- * Blocks until the files are written; the device work already on stream is waited for. */
+ * parameters' unique names (at most 200 bytes of [A-Za-z0-9_.-]); grad pointers are ignored,
+ * and every parameter's momentum is saved, a parameter marked no_grad's too (where its local
+ * shard is not empty, its momentum and param must be valid buffers here and in
+ * shardmuon_muon_load). Blocks until the files are written; the device work already on stream
+ * is waited for. */
 SHARDMUON_API shardmuon_status shardmuon_muon_save(shardmuon_context_t context,
                                                    shardmuon_comm_t comm, const char* directory,
                                                    const shardmuon_muon_param* params,

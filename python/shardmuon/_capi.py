@@ -30,6 +30,7 @@ NS_STORAGES = {None: 0, "bfloat16": 1, "float32": 2}
 # shardmuon_nonfinite_policy: what a step does with a NaN or Inf (the header's comments).
 NONFINITE_POLICIES = {"skip": 0, "raise": 1, "proceed": 2}
 ERROR_NON_FINITE = 13
+MAX_NS_ITERATIONS = 1000  # SHARDMUON_MAX_NS_ITERATIONS
 
 
 class Layout(ctypes.Structure):

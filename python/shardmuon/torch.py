@@ -300,8 +300,8 @@ def _check_hyperparameters(group: Dict[str, Any], where: str, read_tensors: bool
         raise ValueError(f"{where}: extra_scale_factor must be finite, got {group['extra_scale_factor']}")
     if not (0.0 <= group["eps"] < math.inf):
         raise ValueError(f"{where}: eps must be finite and >= 0, got {group['eps']}")
-    if steps < 1:
-        raise ValueError(f"{where}: num_ns_steps must be at least 1, got {steps}")
+    if not (1 <= steps <= c.MAX_NS_ITERATIONS):
+        raise ValueError(f"{where}: num_ns_steps must be in [1, {c.MAX_NS_ITERATIONS}], got {steps}")
     _check_choice(group, "coefficient_type", c.SCHEDULES, where)
     if group["coefficient_type"] == "custom":
         coefficients = group["custom_coefficients"]
@@ -1581,8 +1581,8 @@ class TorchMuon(Muon):
         if adjust_lr_fn not in _TORCH_ADJUST_LR:
             raise ValueError(f"{where}: adjust_lr_fn must be None, 'original' or 'match_rms_adamw', "
                              f"got {adjust_lr_fn!r}")
-        if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1:
-            raise ValueError(f"{where}: ns_steps must be an int of at least 1, got {steps!r}")
+        if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or not 1 <= steps <= c.MAX_NS_ITERATIONS:
+            raise ValueError(f"{where}: ns_steps must be an int in [1, {c.MAX_NS_ITERATIONS}], got {steps!r}")
         try:
             triple = tuple(float(x) for x in coefficients)
         except (TypeError, ValueError):

@@ -1259,3 +1259,11 @@ def test_a_state_dict_of_torch_optim_muons_form_is_refused_by_muon_at_load():
                                          r"it was saved by TorchMuon or torch.optim.Muon"):
         muon.load_state_dict(torch_form.state_dict())
     assert not muon.state
+
+
+def test_num_ns_steps_is_bounded_as_the_library_bounds_it():
+    weight = torch.nn.Parameter(torch.randn(4, 6))
+    for steps in [0, -3, 1001]:
+        with pytest.raises(ValueError, match=rf"Muon: num_ns_steps must be in \[1, 1000\], got {steps}"):
+            st.Muon([weight], num_ns_steps=steps)
+    st.Muon([weight], num_ns_steps=1000)  # the largest the library takes

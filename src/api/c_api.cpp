@@ -301,9 +301,20 @@ shardmuon_status shardmuon_context_create(shardmuon_backend backend, int cuda_de
 shardmuon_status shardmuon_context_destroy(shardmuon_context_t context) {
   return api_guard(__func__, [&] {
     if (context == nullptr) return;
-    shardmuon::backend_of(context, "context");
+    shardmuon::Backend& backend = shardmuon::backend_of(context, "context");
+    // The buffers the caller did not destroy, then the context, even if a release fails (its
+    // error is returned after).
+    std::exception_ptr failure;
+    for (void* buffer : context->buffers) {
+      try {
+        backend.release(buffer);
+      } catch (...) {
+        if (!failure) failure = std::current_exception();
+      }
+    }
     context->tag = 0;
     delete context;
+    if (failure) std::rethrow_exception(failure);
   });
 }
 
@@ -326,14 +337,27 @@ shardmuon_status shardmuon_buffer_create(shardmuon_context_t context, size_t byt
   return api_guard(__func__, [&] {
     SHARDMUON_CHECK_ARG(buffer != nullptr, "buffer is NULL");
     *buffer = nullptr;
-    *buffer = shardmuon::backend_of(context, "context").allocate_zeroed(bytes);
+    shardmuon::Backend& backend = shardmuon::backend_of(context, "context");
+    void* created = backend.allocate_zeroed(bytes);
+    try {
+      context->buffers.insert(created);
+    } catch (...) {
+      backend.release(created);
+      throw;
+    }
+    *buffer = created;
   });
 }
 
 shardmuon_status shardmuon_buffer_destroy(shardmuon_context_t context, void* buffer) {
   return api_guard(__func__, [&] {
     shardmuon::Backend& backend = shardmuon::backend_of(context, "context");
-    if (buffer != nullptr) backend.release(buffer);
+    if (buffer == nullptr) return;
+    SHARDMUON_CHECK_ARG(context->buffers.count(buffer) == 1, "buffer (", buffer,
+                        ") is not a live buffer of this context's shardmuon_buffer_create (freed "
+                        "already, or another context's)");
+    backend.release(buffer);
+    context->buffers.erase(buffer);
   });
 }
 

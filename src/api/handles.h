@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <unordered_set>
 
 #include "comm/communicator.h"
 #include "core/backend.h"
@@ -14,6 +15,10 @@ struct shardmuon_context_s {
   uint64_t tag = kTag;
   std::unique_ptr<shardmuon::Backend> backend;
   shardmuon::StepSettings settings;  // how its steps run (shardmuon_context_set_*)
+  // The live allocations of shardmuon_buffer_create: only those are freed by
+  // shardmuon_buffer_destroy (another pointer would reach free or cudaFree), and the context's
+  // destruction frees those left.
+  std::unordered_set<void*> buffers;
 };
 
 struct shardmuon_comm_s {

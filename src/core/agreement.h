@@ -41,8 +41,8 @@ class Digest {
 // Runs this rank's part of a phase (validation, growing the workspace, writing a file) and
 // returns its failure for agree_across_ranks instead of throwing, so that a rank that failed
 // still joins the exchange, whatever it threw: running out of host memory (or asking for a
-// container larger than any, as a huge row_blocks does) counts as OUT_OF_MEMORY, any other
-// standard exception as INTERNAL with its message.
+// container larger than any) counts as OUT_OF_MEMORY, any other standard exception as
+// INTERNAL with its message.
 template <typename Phase>
 std::exception_ptr capture_local_failure(Phase&& phase) {
   try {

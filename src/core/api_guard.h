@@ -3,6 +3,7 @@
 #pragma once
 
 #include <new>
+#include <stdexcept>
 #include <string>
 
 #include "core/error.h"
@@ -23,6 +24,11 @@ shardmuon_status api_guard(const char* function, Body&& body) {
     return e.status();
   } catch (const std::bad_alloc&) {
     set_last_error(std::string(function) + ": out of host memory");
+    return SHARDMUON_ERROR_OUT_OF_MEMORY;
+  } catch (const std::length_error& e) {  // a container larger than any, as in agreement.h
+    set_last_error(concat(function,
+                          ": the arguments ask for more host memory than can be addressed (",
+                          e.what(), ")"));
     return SHARDMUON_ERROR_OUT_OF_MEMORY;
   } catch (const std::exception& e) {
     set_last_error(std::string(function) + ": internal error: " + e.what());

@@ -248,8 +248,10 @@ ValidatedMuonStep validate_muon_step(const Backend& backend, const Communicator&
     }
     plan.decay = decay_without_lr - decay_per_lr * lr;
     const int64_t row_blocks = p.row_blocks == 0 ? 1 : p.row_blocks;
-    SHARDMUON_CHECK_ARG(row_blocks >= 1 && layout.rows() % row_blocks == 0, name, ".row_blocks (",
-                        p.row_blocks, ") must divide the ", layout.rows(), " rows");
+    SHARDMUON_CHECK_ARG(row_blocks >= 1 && row_blocks <= SHARDMUON_MAX_ROW_BLOCKS &&
+                            layout.rows() % row_blocks == 0,
+                        name, ".row_blocks (", p.row_blocks, ") must divide the ", layout.rows(),
+                        " rows and be at most ", SHARDMUON_MAX_ROW_BLOCKS);
     // The products see each stacked matrix on its own.
     backend.check_matrix_shape(layout.rows() / row_blocks, layout.cols(),
                                row_blocks > 1 ? name + ".layout / row_blocks" : name + ".layout");

@@ -73,8 +73,10 @@ const char* schedule_name(int schedule) {
 }
 
 void validate_ns_options(const shardmuon_ns_options& options) {
-  SHARDMUON_CHECK_ARG(options.num_iterations >= 1, "options->num_iterations must be >= 1, got ",
-                      options.num_iterations);
+  SHARDMUON_CHECK_ARG(
+      options.num_iterations >= 1 && options.num_iterations <= SHARDMUON_MAX_NS_ITERATIONS,
+      "options->num_iterations must be in [1, ", SHARDMUON_MAX_NS_ITERATIONS, "], got ",
+      options.num_iterations);
   SHARDMUON_CHECK_ARG(is_valid_schedule(options.schedule),
                       "options->schedule is unknown: ", static_cast<int>(options.schedule));
   SHARDMUON_CHECK_ARG(std::isfinite(options.eps) && options.eps >= 0,

@@ -114,7 +114,10 @@ const std::vector<BadCase>& bad_cases() {
        [](Call& c) { c.options.schedule = out_of_range<shardmuon_schedule>(42); },
        SHARDMUON_ERROR_INVALID_ARGUMENT, "options->schedule is unknown: 42"},
       {"zero iterations", [](Call& c) { c.options.num_iterations = 0; },
-       SHARDMUON_ERROR_INVALID_ARGUMENT, "num_iterations must be >= 1, got 0"},
+       SHARDMUON_ERROR_INVALID_ARGUMENT, "num_iterations must be in [1, 1000], got 0"},
+      {"too many iterations",
+       [](Call& c) { c.options.num_iterations = SHARDMUON_MAX_NS_ITERATIONS + 1; },
+       SHARDMUON_ERROR_INVALID_ARGUMENT, "num_iterations must be in [1, 1000], got 1001"},
       {"custom list too short",
        [](Call& c) {
          c.options.schedule = SHARDMUON_SCHEDULE_CUSTOM;

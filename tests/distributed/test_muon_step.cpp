@@ -1150,7 +1150,7 @@ TEST_F(MuonStepBadInput, EveryRankAtFault) {
       {"negative weight decay", [](StepCall& c) { c.groups[0].weight_decay = -0.1; },
        "groups[0].weight_decay must be finite and >= 0"},
       {"zero iterations", [](StepCall& c) { c.groups[1].ns.num_iterations = 0; },
-       "groups[1].ns.num_iterations must be >= 1, got 0"},
+       "groups[1].ns.num_iterations must be in [1, 1000], got 0"},
       {"unknown ns_storage",
        [](StepCall& c) { c.groups[1].ns_storage = static_cast<shardmuon_ns_storage>(3); },
        "groups[1].ns_storage is unknown: 3"},
@@ -1174,12 +1174,13 @@ TEST_F(MuonStepBadInput, EveryRankAtFault) {
   });
 }
 
-// A row_blocks that divides the rows but asks for more stacked matrices than the host can
-// list (2^59 of one row each) fails inside validation with an exception of the standard
-// library: that rank must still join the agreement, so the others fail at once instead of
-// waiting out the timeout. They pass a small matrix (of which they hold nothing), valid on
-// every backend; what they pass is never compared, since rank 0 fails first. A learning
-// rate beyond float32's range is refused (the passes compute in float32).
+// A row_blocks that divides the rows but asks for more stacked matrices than the library lists
+// (2^59 of one row each, past SHARDMUON_MAX_ROW_BLOCKS; before that bound, a length_error of
+// the standard library inside validation) fails on that rank alone: it must still join the
+// agreement, so the others fail at once instead of waiting out the timeout. They pass a small
+// matrix (of which they hold nothing), valid on every backend; what they pass is never compared,
+// since rank 0 fails first. A learning rate beyond float32's range is refused (the passes compute
+// in float32).
 TEST_F(MuonStepBadInput, ValidationFailuresOfEveryKindReachTheOtherRanks) {
   for_each_group(1, [&](const Group& group) {
     const int64_t rows = group.rank == 0 ? int64_t{1} << 59 : 8;
@@ -1201,8 +1202,16 @@ TEST_F(MuonStepBadInput, ValidationFailuresOfEveryKindReachTheOtherRanks) {
                                                         &g, 1, Harness::get().stream());
     const double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    EXPECT_EQ(status, group.rank == 0 ? SHARDMUON_ERROR_OUT_OF_MEMORY : SHARDMUON_ERROR_PEER_FAILED)
-        << shardmuon_last_error();
+    const std::string error = shardmuon_last_error();
+    EXPECT_EQ(status,
+              group.rank == 0 ? SHARDMUON_ERROR_INVALID_ARGUMENT : SHARDMUON_ERROR_PEER_FAILED)
+        << error;
+    if (group.rank == 0) {
+      EXPECT_NE(error.find("params[0].row_blocks (576460752303423488) must divide the "
+                           "576460752303423488 rows and be at most 65536"),
+                std::string::npos)
+          << error;
+    }
     EXPECT_LT(seconds, 60.0) << "a rank waited for the one that failed";
 
     StepCall call(group);

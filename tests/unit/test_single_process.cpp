@@ -84,7 +84,8 @@ TEST(SingleProcess, CppWrapperThrowsWithTheMessage) {
     FAIL() << "no exception";
   } catch (const shardmuon::Error& e) {
     EXPECT_EQ(e.status(), SHARDMUON_ERROR_INVALID_ARGUMENT);
-    EXPECT_NE(std::string(e.what()).find("num_iterations must be >= 1, got 0"), std::string::npos)
+    EXPECT_NE(std::string(e.what()).find("num_iterations must be in [1, 1000], got 0"),
+              std::string::npos)
         << e.what();
   }
   EXPECT_EQ(data, std::vector<float>(12, 1.0f));
@@ -102,7 +103,31 @@ TEST(SingleProcess, ABufferTooLargeToRoundUpIsRefused) {
   }
   void* buffer = nullptr;
   ASSERT_EQ(shardmuon_buffer_create(context.get(), 100, &buffer), SHARDMUON_SUCCESS);
-  shardmuon_buffer_destroy(context.get(), buffer);
+  EXPECT_EQ(shardmuon_buffer_destroy(context.get(), buffer), SHARDMUON_SUCCESS);
+}
+
+// shardmuon_buffer_destroy frees only the context's live buffers: a second destroy, a pointer
+// of another allocator and another context's buffer are refused (they would have reached
+// free), and that buffer stays usable. A buffer left alive is freed with its context (the
+// sanitizer build's leak check would report it otherwise).
+TEST(SingleProcess, OnlyTheContextsLiveBuffersAreFreed) {
+  shardmuon::Context context(SHARDMUON_BACKEND_CPU), other(SHARDMUON_BACKEND_CPU);
+  void* buffer = nullptr;
+  void* others = nullptr;
+  ASSERT_EQ(shardmuon_buffer_create(context.get(), 64, &buffer), SHARDMUON_SUCCESS);
+  ASSERT_EQ(shardmuon_buffer_create(other.get(), 64, &others), SHARDMUON_SUCCESS);
+  EXPECT_EQ(shardmuon_buffer_destroy(context.get(), buffer), SHARDMUON_SUCCESS);
+  EXPECT_EQ(shardmuon_buffer_destroy(context.get(), buffer), SHARDMUON_ERROR_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(shardmuon_last_error()).find("is not a live buffer of this context's"),
+            std::string::npos)
+      << shardmuon_last_error();
+  std::vector<float> mine(16);
+  EXPECT_EQ(shardmuon_buffer_destroy(context.get(), mine.data()), SHARDMUON_ERROR_INVALID_ARGUMENT);
+  EXPECT_EQ(shardmuon_buffer_destroy(context.get(), others), SHARDMUON_ERROR_INVALID_ARGUMENT);
+  static_cast<float*>(others)[15] = 1.0f;  // still the other context's, and alive
+  EXPECT_EQ(shardmuon_buffer_destroy(context.get(), nullptr), SHARDMUON_SUCCESS);
+  void* left = nullptr;
+  ASSERT_EQ(shardmuon_buffer_create(context.get(), 64, &left), SHARDMUON_SUCCESS);
 }
 
 }  // namespace
