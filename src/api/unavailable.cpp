@@ -10,6 +10,10 @@ namespace shardmuon {
 std::unique_ptr<Backend> make_cuda_backend(int) {
   fail(SHARDMUON_ERROR_NOT_BUILT, "shardmuon was built without CUDA (SHARDMUON_WITH_CUDA=OFF)");
 }
+
+bool is_device_only_memory(const void*) {
+  return false;
+}
 #endif
 
 #ifndef SHARDMUON_WITH_NCCL

@@ -11,6 +11,7 @@
 
 #include "core/dtype.h"
 #include "core/error.h"
+#include "cuda/cuda_backend.h"
 
 namespace shardmuon {
 namespace {
@@ -76,7 +77,12 @@ class CpuBackend final : public Backend {
   shardmuon_backend kind() const override { return SHARDMUON_BACKEND_CPU; }
   void begin_call(Stream) override {}
   void end_call(Stream) override {}
-  void check_pointer(const void*, const char*) const override {}
+  // Host memory is all this backend reads; device memory given to it would be read on the host
+  // (a crash) where the library has CUDA.
+  void check_pointer(const void* pointer, const char* name) const override {
+    SHARDMUON_CHECK_ARG(!is_device_only_memory(pointer), name, " (", pointer,
+                        ") is CUDA device memory; the CPU backend needs host memory");
+  }
   void check_dtype(shardmuon_dtype) const override {}
 
   void* workspace(size_t bytes, Stream) override {
