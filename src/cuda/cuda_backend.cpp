@@ -2,7 +2,6 @@
 // stream-ordered workspace. All work goes on the caller's stream; nothing waits on the host.
 #include "cuda/cuda_backend.h"
 
-#include <cuda.h>
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -425,41 +424,6 @@ class CudaBackend final : public Backend {
 
 std::unique_ptr<Backend> make_cuda_backend(int device) {
   return std::make_unique<CudaBackend>(device);
-}
-
-namespace {
-
-using PointerAttributeQuery = CUresult (*)(void* data, CUpointer_attribute attribute,
-                                           CUdeviceptr pointer);
-
-// The driver's cuPointerGetAttribute, taken through the runtime so that the library does not
-// link libcuda (absent where there is no GPU); null where the runtime finds no driver. The
-// runtime's cudaPointerGetAttributes would create the primary context of the current device.
-PointerAttributeQuery load_pointer_attribute_query() {
-  void* function = nullptr;
-  cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
-  const cudaError_t code = cudaGetDriverEntryPointByVersion(
-      "cuPointerGetAttribute", &function, CUDART_VERSION, cudaEnableDefault, &found);
-  if (code != cudaSuccess || found != cudaDriverEntryPointSuccess) {
-    cudaGetLastError();  // no driver or no device: not an error of any later call
-    return nullptr;
-  }
-  return reinterpret_cast<PointerAttributeQuery>(function);
-}
-
-}  // namespace
-
-bool is_device_only_memory(const void* pointer) {
-  static const PointerAttributeQuery query = load_pointer_attribute_query();
-  if (query == nullptr) return false;
-  const auto address = reinterpret_cast<CUdeviceptr>(pointer);
-  // Memory CUDA does not know (plain host memory) fails the query with CUDA_ERROR_INVALID_VALUE.
-  unsigned int type = 0;
-  if (query(&type, CU_POINTER_ATTRIBUTE_MEMORY_TYPE, address) != CUDA_SUCCESS) return false;
-  if (type != CU_MEMORYTYPE_DEVICE) return false;
-  // Managed memory reports the device type too, and the host may read it.
-  int managed = 0;
-  return query(&managed, CU_POINTER_ATTRIBUTE_IS_MANAGED, address) == CUDA_SUCCESS && managed == 0;
 }
 
 }  // namespace shardmuon
