@@ -1,10 +1,14 @@
 // Whether a pointer is device-only memory, for the CPU backend's argument checks in a library
-// built with CUDA. The driver answers (cuPointerGetAttribute); its functions are taken through
-// the runtime's entry points, so the library does not link libcuda, which machines without a
-// GPU lack. The runtime's own cudaPointerGetAttributes is not used: it would create the
-// current device's primary context, hundreds of MiB of device memory in a CPU-only process.
+// built with CUDA. The driver answers (cuPointerGetAttribute), and only where the process has
+// loaded it already: without libcuda loaded there is no CUDA context and so no device memory.
+// Neither the driver nor the runtime is ever started from here; the runtime's own
+// cudaPointerGetAttributes would create the current device's primary context, hundreds of
+// MiB of device memory in a CPU-only process. The library does not link libcuda, which
+// machines without a GPU lack.
 #include <cuda.h>
-#include <cuda_runtime_api.h>
+#include <dlfcn.h>
+
+#include <mutex>
 
 #include "cuda/cuda_backend.h"
 
@@ -20,33 +24,42 @@ struct Driver {
   decltype(&cuDevicePrimaryCtxRelease) release_primary_context = nullptr;
   decltype(&cuCtxPushCurrent) push_context = nullptr;
   decltype(&cuCtxPopCurrent) pop_context = nullptr;
-  bool loaded = false;
 };
 
+// The exported name of a driver function: cuda.h maps some names to versioned ones
+// (cuCtxPushCurrent to cuCtxPushCurrent_v2), and the macro's expansion is what is exported.
+#define SHARDMUON_DRIVER_NAME(function) SHARDMUON_DRIVER_NAME_EXPANDED(function)
+#define SHARDMUON_DRIVER_NAME_EXPANDED(function) #function
+
 template <typename Function>
-bool load(const char* symbol, Function& function) {
-  void* address = nullptr;
-  cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
-  if (cudaGetDriverEntryPointByVersion(symbol, &address, CUDART_VERSION, cudaEnableDefault,
-                                       &found) != cudaSuccess ||
-      found != cudaDriverEntryPointSuccess) {
-    cudaGetLastError();  // no driver or no device: not an error of any later call
-    return false;
-  }
-  function = reinterpret_cast<Function>(address);
-  return true;
+bool resolve(void* library, const char* name, Function& function) {
+  function = reinterpret_cast<Function>(dlsym(library, name));
+  return function != nullptr;
 }
 
-Driver load_driver() {
-  Driver driver;
-  driver.loaded =
-      load("cuPointerGetAttribute", driver.pointer_attribute) &&
-      load("cuDeviceGetCount", driver.device_count) && load("cuDeviceGet", driver.device) &&
-      load("cuDevicePrimaryCtxGetState", driver.primary_context_state) &&
-      load("cuDevicePrimaryCtxRetain", driver.retain_primary_context) &&
-      load("cuDevicePrimaryCtxRelease", driver.release_primary_context) &&
-      load("cuCtxPushCurrent", driver.push_context) && load("cuCtxPopCurrent", driver.pop_context);
-  return driver;
+// The driver's functions once the process has loaded libcuda (RTLD_NOLOAD: never loaded from
+// here), null until then. The reference that dlopen takes is kept, so that they stay valid.
+const Driver* loaded_driver() {
+  static std::mutex mutex;
+  static Driver driver;
+  static bool found = false;
+  const std::lock_guard<std::mutex> lock(mutex);
+  if (found) return &driver;
+  void* library = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+  if (library == nullptr) return nullptr;
+#define SHARDMUON_RESOLVE(member, function) \
+  resolve(library, SHARDMUON_DRIVER_NAME(function), driver.member)
+  found = SHARDMUON_RESOLVE(pointer_attribute, cuPointerGetAttribute) &&
+          SHARDMUON_RESOLVE(device_count, cuDeviceGetCount) &&
+          SHARDMUON_RESOLVE(device, cuDeviceGet) &&
+          SHARDMUON_RESOLVE(primary_context_state, cuDevicePrimaryCtxGetState) &&
+          SHARDMUON_RESOLVE(retain_primary_context, cuDevicePrimaryCtxRetain) &&
+          SHARDMUON_RESOLVE(release_primary_context, cuDevicePrimaryCtxRelease) &&
+          SHARDMUON_RESOLVE(push_context, cuCtxPushCurrent) &&
+          SHARDMUON_RESOLVE(pop_context, cuCtxPopCurrent);
+#undef SHARDMUON_RESOLVE
+  if (!found) dlclose(library);  // a driver without these: the check passes, as without CUDA
+  return found ? &driver : nullptr;
 }
 
 enum class Kind { device_only, host_readable, unknown };
@@ -98,12 +111,12 @@ Kind ask_under_an_active_primary_context(const Driver& driver, CUdeviceptr addre
 }  // namespace
 
 bool is_device_only_memory(const void* pointer) {
-  static const Driver driver = load_driver();
-  if (!driver.loaded) return false;
+  const Driver* driver = loaded_driver();
+  if (driver == nullptr) return false;
   const auto address = reinterpret_cast<CUdeviceptr>(pointer);
-  Kind kind = ask(driver, address);
+  Kind kind = ask(*driver, address);
   // This thread has no current context (it has made no CUDA call, as a fresh worker thread).
-  if (kind == Kind::unknown) kind = ask_under_an_active_primary_context(driver, address);
+  if (kind == Kind::unknown) kind = ask_under_an_active_primary_context(*driver, address);
   return kind == Kind::device_only;
 }
 
