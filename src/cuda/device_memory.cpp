@@ -98,7 +98,10 @@ Kind ask(const Driver& driver, CUdeviceptr address) {
 
 // Asks under a primary context the process already has: the runtime's memory belongs to those,
 // and in the unified address space any context answers for all of it. A device whose primary
-// context is not active is passed over, never given one.
+// context is not active is passed over, never given one. Should another thread release the
+// context's last reference between the state query and the retain, the retain creates it anew
+// and the release below, the last reference again, resets it: the race costs time, and leaves
+// no context behind.
 Kind ask_under_an_active_primary_context(const Driver& driver, CUdeviceptr address) {
   int count = 0;
   if (driver.device_count(&count) != CUDA_SUCCESS) return Kind::unknown;
