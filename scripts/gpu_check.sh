@@ -181,18 +181,25 @@ timeout_injection() {
 # (docs/GPU_RUNS.md, eleventh session).
 # Runs a command that reads GTEST_TOTAL_SHARDS and GTEST_SHARD_INDEX as `count` concurrent
 # gtest shards (logs sanitize_<name>_<i>.log), prints what failed (the logs may not come back)
-# and adds a result line.
-sanitized_shards() {  # count, time limit, name, description, command...
-  local count=$1 limit=$2 name=$3 description=$4 i failed=0
-  shift 4
-  for ((i = 0; i < count; i++)); do
+# and adds a result line. Only shards `first` to `last` of the `count` run (0 and count - 1:
+# all of them), so that a run too long for one call can be split across calls.
+sanitized_shards() {  # count, time limit, name, description, first, last, command...
+  local count=$1 limit=$2 name=$3 description=$4 first=$5 last=$6 i failed=0
+  shift 6
+  rm -f "$out"/sanitize_"${name}"_*.log
+  for ((i = first; i <= last; i++)); do
     GTEST_TOTAL_SHARDS=$count GTEST_SHARD_INDEX=$i timeout -k $kill_after "$limit" "$@" \
       >"$out/sanitize_${name}_$i.log" 2>&1 &
   done
-  for ((i = 0; i < count; i++)); do wait -n || failed=$((failed + 1)); done
+  for ((i = first; i <= last; i++)); do wait -n || failed=$((failed + 1)); done
   grep -hE -A6 "Failure$|^\[  FAILED  \] [A-Z]|^========= (Error|Warning|Invalid|Program hit)" \
     "$out"/sanitize_${name}_*.log | cut -c1-300 | head -60
-  results+=("compute-sanitizer $description ($count shards): $failed shard(s) failed; $(
+  # One line a shard: the logs of a cut-off call may not come back, this output does.
+  for ((i = first; i <= last; i++)); do
+    echo "  $name shard $i: $(sed 's/\x1b\[[0-9;]*m//g' "$out/sanitize_${name}_$i.log" |
+      grep -E 'PASSED  \]|FAILED  \]|(ERROR|RACECHECK) SUMMARY' | tr '\n' ' ')"
+  done
+  results+=("compute-sanitizer $description (shards $first-$last of $count): $failed shard(s) failed; $(
     cat "$out"/sanitize_${name}_*.log | sed 's/\x1b\[[0-9;]*m//g' |
       awk '/PASSED  \]/ {n += $4} END {print n + 0}') tests passed; errors and hazards: $(
     cat "$out"/sanitize_${name}_*.log | awk '/(ERROR|RACECHECK) SUMMARY:/ {n += $4} END {print n + 0}')")
@@ -206,8 +213,16 @@ sanitize() {
   # that the mode can be split across calls of a time-limited machine: racecheck over the suite
   # alone takes about 6 minutes, and memcheck over it with the callback runs' three tools did
   # not finish in 580 s (twenty-seventh session).
+  # SANITIZE_SUITE_SHARDS=first-last runs only those of the suite's shards (0 to shards - 1):
+  # racecheck over the whole suite outlasted a 470 s call (forty-fifth session).
+  local range=${SANITIZE_SUITE_SHARDS:-0-$((shards - 1))}
+  if ! [[ $range =~ ^([0-9]+)-([0-9]+)$ ]] || (( BASH_REMATCH[1] > BASH_REMATCH[2] || BASH_REMATCH[2] >= shards )); then
+    echo "SANITIZE_SUITE_SHARDS must be first-last within 0-$((shards - 1)), got '$range'" >&2
+    exit 2
+  fi
+  local suite_first=${BASH_REMATCH[1]} suite_last=${BASH_REMATCH[2]}
   for tool in ${SANITIZE_SUITE_TOOLS-memcheck synccheck racecheck}; do
-    sanitized_shards $shards 500 "suite_$tool" "$tool, CUDA suite (1 GPU)" \
+    sanitized_shards $shards 500 "suite_$tool" "$tool, CUDA suite (1 GPU)" "$suite_first" "$suite_last" \
       "$cs" --tool $tool --report-api-errors no --error-exitcode 9 $build/tests/shardmuon_tests \
       --backend=cuda --gtest_brief=1 --gtest_filter='-*MultiBlock*'
   done
@@ -222,7 +237,7 @@ sanitize() {
       callbacks_filter='*Layouts*67x131_dim1_P2*:*Layouts*257x64_dim0_P2*:NonFinite.*'
       scope='cross-section of the CUDA suite'
     fi
-    sanitized_shards $pairs 300 "callbacks_$tool" "$tool, $scope on 2 ranks over callbacks" \
+    sanitized_shards $pairs 300 "callbacks_$tool" "$tool, $scope on 2 ranks over callbacks" 0 $((pairs - 1)) \
       "${mpi[@]}" -x GTEST_TOTAL_SHARDS -x GTEST_SHARD_INDEX -np 2 "$cs" --tool $tool \
       --report-api-errors no --error-exitcode 9 $build/tests/shardmuon_tests --backend=cuda \
       --comm=callbacks --gtest_brief=1 --gtest_filter="$callbacks_filter"
