@@ -26,6 +26,18 @@ if [[ $gpus -lt 2 ]]; then
   shared=("$root/scripts/rank_host_id.sh")
   torchrun_shared=(--no-python "$root/scripts/rank_host_id.sh" python3)
 fi
+# The sanitize mode's suite shards, one process each, and the range of them it runs
+# (SANITIZE_SUITE_SHARDS=first-last, all by default): racecheck over the whole suite outlasted
+# a 470 s call (forty-fifth session), so it can be split across calls. Checked here, before
+# the build, so that a mistyped range costs no device time.
+sanitize_shards=$(( $(nproc) > 3 ? $(nproc) - 2 : 1 ))
+sanitize_range=${SANITIZE_SUITE_SHARDS:-0-$((sanitize_shards - 1))}
+if ! [[ $sanitize_range =~ ^([0-9]+)-([0-9]+)$ ]] ||
+  (( BASH_REMATCH[1] > BASH_REMATCH[2] || BASH_REMATCH[2] >= sanitize_shards )); then
+  echo "SANITIZE_SUITE_SHARDS must be first-last within 0-$((sanitize_shards - 1)), got '$sanitize_range'" >&2
+  exit 2
+fi
+sanitize_first=${BASH_REMATCH[1]} sanitize_last=${BASH_REMATCH[2]}
 
 build="build-gpu"
 # Header-only dependencies the GPU image may lack can be carried in .deps/include.
@@ -205,7 +217,7 @@ sanitized_shards() {  # count, time limit, name, description, first, last, comma
     cat "$out"/sanitize_${name}_*.log | awk '/(ERROR|RACECHECK) SUMMARY:/ {n += $4} END {print n + 0}')")
 }
 sanitize() {
-  local cs tool log rc shards=$(( $(nproc) > 3 ? $(nproc) - 2 : 1 ))
+  local cs tool log rc shards=$sanitize_shards
   local pairs=$(( shards > 1 ? shards / 2 : 1 ))  # 2-rank runs, two processes each
   cs=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
   # SANITIZE_SUITE_TOOLS, SANITIZE_CALLBACK_TOOLS and SANITIZE_UNIT_TOOLS pick the tools run
@@ -213,16 +225,8 @@ sanitize() {
   # that the mode can be split across calls of a time-limited machine: racecheck over the suite
   # alone takes about 6 minutes, and memcheck over it with the callback runs' three tools did
   # not finish in 580 s (twenty-seventh session).
-  # SANITIZE_SUITE_SHARDS=first-last runs only those of the suite's shards (0 to shards - 1):
-  # racecheck over the whole suite outlasted a 470 s call (forty-fifth session).
-  local range=${SANITIZE_SUITE_SHARDS:-0-$((shards - 1))}
-  if ! [[ $range =~ ^([0-9]+)-([0-9]+)$ ]] || (( BASH_REMATCH[1] > BASH_REMATCH[2] || BASH_REMATCH[2] >= shards )); then
-    echo "SANITIZE_SUITE_SHARDS must be first-last within 0-$((shards - 1)), got '$range'" >&2
-    exit 2
-  fi
-  local suite_first=${BASH_REMATCH[1]} suite_last=${BASH_REMATCH[2]}
   for tool in ${SANITIZE_SUITE_TOOLS-memcheck synccheck racecheck}; do
-    sanitized_shards $shards 500 "suite_$tool" "$tool, CUDA suite (1 GPU)" "$suite_first" "$suite_last" \
+    sanitized_shards $shards 500 "suite_$tool" "$tool, CUDA suite (1 GPU)" "$sanitize_first" "$sanitize_last" \
       "$cs" --tool $tool --report-api-errors no --error-exitcode 9 $build/tests/shardmuon_tests \
       --backend=cuda --gtest_brief=1 --gtest_filter='-*MultiBlock*'
   done
