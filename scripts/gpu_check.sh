@@ -215,8 +215,8 @@ sanitized_shards() {  # count, time limit, name, description, first, last, comma
     cat "$out"/sanitize_${name}_*.log | sed 's/\x1b\[[0-9;]*m//g' |
       awk '/PASSED  \]/ {n += $4} END {print n + 0}') tests passed; errors and hazards: $(
     cat "$out"/sanitize_${name}_*.log | awk '/(ERROR|RACECHECK) SUMMARY:/ {n += $4} END {print n + 0}')")
-  # Racecheck reports inside cuBLASLt's own kernels (nvjet_*) apart from the rest, which are
-  # ours: the control run (sanitize) shows what cuBLASLt's kernels draw alone.
+  # The race reports, and of them those inside cuBLASLt's own kernels (nvjet_*): the rest are
+  # in ours. The control run (cublaslt_control) shows what cuBLASLt's kernels draw alone.
   local races
   races=$(sed 's/\x1b\[[0-9;]*m//g' "$out"/sanitize_${name}_*.log | grep -E '^========= (Error|Warning): Race reported')
   if [[ -n $races ]]; then
