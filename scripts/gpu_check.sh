@@ -271,7 +271,10 @@ sanitize() {
   # the tests that run cuBLASLt products as well (whole recorded calls, product tiles): it
   # reports hazards inside cuBLASLt's own kernels there (nvjet_sm90_*, 100 reports, none in
   # ours) and did not finish in 300 s; without them 17 tests passed with 0 hazards in 53 s
-  # (thirty-seventh session).
+  # (thirty-seventh session). --target-processes application-only: the death test's child
+  # (CpuBackendPointers.CheckingCreatesNoCudaContext, gtest's threadsafe style re-runs the
+  # binary) hung under the tool that followed it into the child, until each tool's limit
+  # (fiftieth session); the child runs no kernel.
   local unit_filter
   for tool in ${SANITIZE_UNIT_TOOLS-memcheck racecheck synccheck initcheck}; do
     log="$out/sanitize_unit_$tool.log"
@@ -279,7 +282,8 @@ sanitize() {
     [[ $tool == initcheck ]] && unit_filter='-CudaCopies.OneRowOfMoreThanTwoGibibytes'
     [[ $tool == racecheck ]] &&
       unit_filter='-CudaCopies.OneRowOfMoreThanTwoGibibytes:RecordedCalls.*:*ProductTiles*'
-    bounded 240 "$cs" --tool $tool --error-exitcode 9 $build/tests/shardmuon_gpu_unit_tests --gtest_brief=1 \
+    bounded 240 "$cs" --tool $tool --target-processes application-only --error-exitcode 9 \
+      $build/tests/shardmuon_gpu_unit_tests --gtest_brief=1 \
       --gtest_filter="$unit_filter" >"$log" 2>&1
     rc=$?
     results+=("compute-sanitizer $tool, GPU unit tests: rc=$rc $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED  \]' "$log" | sed 's/\x1b\[[0-9;]*m//g' | tr '\n' ' ')")
