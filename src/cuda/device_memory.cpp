@@ -1,5 +1,5 @@
 // Whether a pointer is device-only memory, for the CPU backend's argument checks in a library
-// built with CUDA. The driver answers (cuPointerGetAttribute), and only where the process has
+// built with CUDA. The driver answers (cuPointerGetAttributes), and only where the process has
 // loaded it already: without libcuda loaded there is no CUDA context and so no device memory.
 // Neither the driver nor the runtime is ever started from here; the runtime's own
 // cudaPointerGetAttributes would create the current device's primary context, hundreds of
@@ -18,7 +18,7 @@ namespace shardmuon {
 namespace {
 
 struct Driver {
-  decltype(&cuPointerGetAttribute) pointer_attribute = nullptr;
+  decltype(&cuPointerGetAttributes) pointer_attributes = nullptr;
   decltype(&cuDeviceGetCount) device_count = nullptr;
   decltype(&cuDeviceGet) device = nullptr;
   decltype(&cuDevicePrimaryCtxGetState) primary_context_state = nullptr;
@@ -65,7 +65,7 @@ const Driver* loaded_driver() {
   if (library == nullptr) return nullptr;
 #define SHARDMUON_RESOLVE(member, function) \
   resolve(library, SHARDMUON_DRIVER_NAME(function), driver.member)
-  found = SHARDMUON_RESOLVE(pointer_attribute, cuPointerGetAttribute) &&
+  found = SHARDMUON_RESOLVE(pointer_attributes, cuPointerGetAttributes) &&
           SHARDMUON_RESOLVE(device_count, cuDeviceGetCount) &&
           SHARDMUON_RESOLVE(device, cuDeviceGet) &&
           SHARDMUON_RESOLVE(primary_context_state, cuDevicePrimaryCtxGetState) &&
@@ -80,19 +80,21 @@ const Driver* loaded_driver() {
 
 enum class Kind { device_only, host_readable, unknown };
 
+// The plural cuPointerGetAttributes, not cuPointerGetAttribute: for memory CUDA does not know
+// (plain host memory) it succeeds with a memory type of 0, where the singular fails with
+// CUDA_ERROR_INVALID_VALUE, an error that compute-sanitizer reports as the program's own on
+// every host pointer checked (measured on an H200, driver 580, docs/GPU_RUNS.md).
 Kind ask(const Driver& driver, CUdeviceptr address) {
   unsigned int type = 0;
-  const CUresult asked = driver.pointer_attribute(&type, CU_POINTER_ATTRIBUTE_MEMORY_TYPE, address);
+  int managed = 0;
+  CUpointer_attribute attributes[] = {CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+                                      CU_POINTER_ATTRIBUTE_IS_MANAGED};
+  void* values[] = {&type, &managed};
+  const CUresult asked = driver.pointer_attributes(2, attributes, values, address);
   // The driver may not answer on a thread where no context is current.
   if (asked == CUDA_ERROR_INVALID_CONTEXT) return Kind::unknown;
-  // Memory CUDA does not know (plain host memory) is CUDA_ERROR_INVALID_VALUE.
   if (asked != CUDA_SUCCESS || type != CU_MEMORYTYPE_DEVICE) return Kind::host_readable;
   // Managed memory reports the device type too, and the host may read it.
-  int managed = 0;
-  if (driver.pointer_attribute(&managed, CU_POINTER_ATTRIBUTE_IS_MANAGED, address) !=
-      CUDA_SUCCESS) {
-    return Kind::unknown;
-  }
   return managed != 0 ? Kind::host_readable : Kind::device_only;
 }
 
