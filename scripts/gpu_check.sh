@@ -274,12 +274,15 @@ sanitize() {
   # (thirty-seventh session). --target-processes application-only: the death test's child
   # (CpuBackendPointers.CheckingCreatesNoCudaContext, gtest's threadsafe style re-runs the
   # binary) hung under the tool that followed it into the child, until each tool's limit
-  # (fiftieth session); the child runs no kernel.
+  # (fiftieth session); the child runs no kernel. initcheck leaves out the recorded calls too:
+  # their bf16 Newton-Schulz reads cuBLASLt's fresh bf16 products, which initcheck does not see
+  # written (the suite's reports, eleventh session), 100 reports in mirror_lower_kernel<bf16> and
+  # not finished in 240 s (fifty-first session).
   local unit_filter
   for tool in ${SANITIZE_UNIT_TOOLS-memcheck racecheck synccheck initcheck}; do
     log="$out/sanitize_unit_$tool.log"
     unit_filter='*'
-    [[ $tool == initcheck ]] && unit_filter='-CudaCopies.OneRowOfMoreThanTwoGibibytes'
+    [[ $tool == initcheck ]] && unit_filter='-CudaCopies.OneRowOfMoreThanTwoGibibytes:RecordedCalls.*'
     [[ $tool == racecheck ]] &&
       unit_filter='-CudaCopies.OneRowOfMoreThanTwoGibibytes:RecordedCalls.*:*ProductTiles*'
     bounded 240 "$cs" --tool $tool --target-processes application-only --error-exitcode 9 \
