@@ -277,7 +277,7 @@ sanitize() {
   # (fiftieth session); the child runs no kernel. initcheck leaves out the recorded calls too:
   # their bf16 Newton-Schulz reads cuBLASLt's fresh bf16 products, which initcheck does not see
   # written (the suite's reports, eleventh session), 100 reports in mirror_lower_kernel<bf16> and
-  # not finished in 240 s (fifty-first session).
+  # not finished in 240 s (fifty-second session).
   local unit_filter
   for tool in ${SANITIZE_UNIT_TOOLS-memcheck racecheck synccheck initcheck}; do
     log="$out/sanitize_unit_$tool.log"
