@@ -90,6 +90,19 @@ front_end_pytest() {
   SHARDMUON_LIBRARY="$root/$build/libshardmuon.so" PYTHONPATH="$pythonpath" bounded 420 \
     python3 -m pytest -q -p no:cacheprovider python/tests/test_dtensor.py python/tests/test_muon.py \
     python/tests/test_dtensor_placements.py >"$out/pytest_torch2.log" 2>&1
+  results+=("front end on this PyTorch: $(tail -1 "$out/pytest_torch2.log")")
+}
+# The PyTorch checks on the GPU (python/tests/gpu/check_torch_gpu.py): 2 ranks against the
+# whole-matrix reference (one GPU each, or sharing the one), then 1 rank against
+# torch.optim.Muon; logs torch_gpu_2.log and torch_gpu_1.log.
+torch_gpu_checks() {
+  export SHARDMUON_LIBRARY="$root/$build/libshardmuon.so"
+  bounded 200 torchrun --nproc_per_node=2 "${torchrun_shared[@]}" python/tests/gpu/check_torch_gpu.py \
+    >"$out/torch_gpu_2.log" 2>&1
+  results+=("torch checks on 2 ranks: rc=$? $(grep -h 'torch GPU checks' "$out/torch_gpu_2.log")")
+  bounded 120 python3 python/tests/gpu/check_torch_gpu.py >"$out/torch_gpu_1.log" 2>&1
+  results+=("torch checks on 1 rank: rc=$? $(grep -h 'torch GPU checks' "$out/torch_gpu_1.log")")
+  grep -hE "FAIL|Error|torch.optim.Muon" "$out"/torch_gpu_*.log | head -20
 }
 # The CUDA tests on 1 and 2 ranks over NCCL, one rank per GPU (two sharing one where one GPU is
 # lent), with a gtest filter; logs <name>_npN.log.
@@ -398,13 +411,8 @@ if [[ "$what" == "final" ]]; then
     rc=$?
     results+=("$tool (1 GPU): rc=$rc $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$log" | tail -1) $(grep -E 'PASSED|FAILED  \]' "$log" | sed 's/\x1b\[[0-9;]*m//g' | tr '\n' ' ')")
   done
-  export SHARDMUON_LIBRARY="$root/$build/libshardmuon.so"
-  bounded 150 torchrun --nproc_per_node=2 "${torchrun_shared[@]}" python/tests/gpu/check_torch_gpu.py >"$out/torch_2.log" 2>&1
-  bounded 90 python3 python/tests/gpu/check_torch_gpu.py >"$out/torch_1.log" 2>&1
-  grep -hE "FAIL|torch.optim.Muon" "$out"/torch_*.log | head -12
-  results+=("$(grep -h 'torch GPU checks' "$out"/torch_*.log | tr '\n' ' ')")
+  torch_gpu_checks
   front_end_pytest
-  results+=("front end on this PyTorch: $(tail -1 "$out/pytest_torch2.log")")
   printf '%s\n' "${results[@]}"
   mv "$out/configure.log" "$out/build.log" "$build/" 2>/dev/null
   exit 0
@@ -436,14 +444,8 @@ if [[ "$what" == "torch" ]]; then
   else
     results+=("main job not run: no corpus at $corpus (carry a copy in .deps/fortunes)")
   fi
-  bounded 200 torchrun --nproc_per_node=2 "${torchrun_shared[@]}" python/tests/gpu/check_torch_gpu.py \
-    >"$out/torch_gpu_2.log" 2>&1
-  results+=("torch checks on 2 ranks: rc=$? $(grep -h 'torch GPU checks' "$out/torch_gpu_2.log")")
-  bounded 120 python3 python/tests/gpu/check_torch_gpu.py >"$out/torch_gpu_1.log" 2>&1
-  results+=("torch checks on 1 rank: rc=$? $(grep -h 'torch GPU checks' "$out/torch_gpu_1.log")")
-  grep -hE "FAIL|Error|torch.optim.Muon" "$out"/torch_gpu_*.log | head -20
+  torch_gpu_checks
   front_end_pytest
-  results+=("front end on this PyTorch: $(tail -1 "$out/pytest_torch2.log")")
   printf '%s\n' "${results[@]}"
   exit 0
 fi
@@ -471,7 +473,6 @@ if command -v compute-sanitizer >/dev/null 2>&1; then
   results+=("memcheck (1 GPU, subset): rc=$rc $(grep -E 'ERROR SUMMARY' "$log" | tail -1) $(grep -E 'PASSED|FAILED  \]' "$log" | sed 's/\x1b\[[0-9;]*m//g' | tr '\n' ' ')")
 fi
 front_end_pytest
-results+=("front end on this PyTorch: $(tail -1 "$out/pytest_torch2.log")")
 if [[ "$what" == "tests" ]]; then
   printf '%s\n' "${results[@]}"
   exit 0
